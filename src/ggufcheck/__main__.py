@@ -1,0 +1,5 @@
+"""Allows ``python -m ggufcheck``."""
+
+from ggufcheck.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,57 @@
+"""The command line: thin by design.
+
+Each subcommand lives in its own module here with two functions: ``add_parser(sub)``
+declares its arguments, ``run(args) -> int`` turns them into an options dataclass, calls
+the library, formats the result and returns an exit status. This module only dispatches
+and turns every :class:`ggufcheck.errors.GGUFCheckError` into one line and an exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from ggufcheck import __version__
+from ggufcheck.errors import ExitStatus, GGUFCheckError
+
+# Subcommand modules, in the order they appear in --help (data-flow order).
+COMMANDS = [
+    "inspect",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ggufcheck",
+        description="Find why a deployed GGUF model produces wrong output.",
+    )
+    parser.add_argument("--version", action="version", version=f"ggufcheck {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        importlib.import_module(f"ggufcheck.cli.{name}").add_parser(sub)
+    return parser
+
+
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse exits 2 on usage errors, 0 on --help
+        return int(exit_.code or 0)
+    if args.command is None:
+        parser.print_help()
+        return int(ExitStatus.USAGE)
+    module = importlib.import_module(f"ggufcheck.cli.{args.command}")
+    try:
+        return int(module.run(args))
+    except GGUFCheckError as err:
+        print(f"ggufcheck {args.command}: error: {err.message}", file=sys.stderr)
+        if err.tip:
+            print(f"tip: {err.tip}", file=sys.stderr)
+        return int(err.exit_status)
+    except KeyboardInterrupt:
+        print("ggufcheck: interrupted", file=sys.stderr)
+        return 130

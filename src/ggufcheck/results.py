@@ -1,0 +1,133 @@
+"""Result objects: what every check in every stage returns.
+
+A check never prints and never returns a bare bool. It returns a :class:`Result` with a
+status, the component it speaks about (from the verdict vocabulary), where (tensor, layer),
+statistics, the worst element, and a message. SKIP and ERROR always carry a reason.
+Results serialize to plain JSON (the schema version is in :data:`SCHEMA_VERSION`).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+SCHEMA_VERSION = 1
+
+
+class Status(str, enum.Enum):
+    PASS = "PASS"
+    FAIL = "FAIL"
+    SKIP = "SKIP"
+    ERROR = "ERROR"
+
+
+@dataclass
+class Result:
+    """The outcome of one check."""
+
+    check: str  # e.g. "integrity.offsets", "mapping.shapes", "health.nan"
+    status: Status
+    component: str  # verdict vocabulary: "gguf-file", "metadata", "mapping", "dequant", ...
+    message: str
+    tensor: str | None = None
+    layer: int | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+    worst: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.status in (Status.SKIP, Status.ERROR) and not self.message:
+            raise ValueError(f"{self.check}: a {self.status.value} result needs a reason")
+
+    def __bool__(self) -> bool:  # a Result is truthy when it did not fail
+        return self.status in (Status.PASS, Status.SKIP)
+
+    @property
+    def failed(self) -> bool:
+        return self.status in (Status.FAIL, Status.ERROR)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "check": self.check,
+            "status": self.status.value,
+            "component": self.component,
+            "message": self.message,
+        }
+        if self.tensor is not None:
+            out["tensor"] = self.tensor
+        if self.layer is not None:
+            out["layer"] = self.layer
+        if self.stats:
+            out["stats"] = _jsonable(self.stats)
+        if self.worst is not None:
+            out["worst"] = _jsonable(self.worst)
+        return out
+
+
+def passed(check: str, component: str, message: str, **kw: Any) -> Result:
+    return Result(check, Status.PASS, component, message, **kw)
+
+
+def failed(check: str, component: str, message: str, **kw: Any) -> Result:
+    return Result(check, Status.FAIL, component, message, **kw)
+
+
+def skipped(check: str, component: str, reason: str, **kw: Any) -> Result:
+    return Result(check, Status.SKIP, component, reason, **kw)
+
+
+def errored(check: str, component: str, reason: str, **kw: Any) -> Result:
+    return Result(check, Status.ERROR, component, reason, **kw)
+
+
+@dataclass
+class StageReport:
+    """The results of one stage (file, mapping, health, sharding, logits, ...)."""
+
+    stage: str
+    results: list[Result] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, result: Result | Iterable[Result]) -> None:
+        if isinstance(result, Result):
+            self.results.append(result)
+        else:
+            self.results.extend(result)
+
+    @property
+    def status(self) -> Status:
+        statuses = {r.status for r in self.results}
+        for s in (Status.ERROR, Status.FAIL, Status.PASS):
+            if s in statuses:
+                return s
+        return Status.SKIP
+
+    @property
+    def failures(self) -> list[Result]:
+        return [r for r in self.results if r.failed]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "status": self.status.value,
+            "info": _jsonable(self.info),
+            "results": [r.to_json() for r in self.results],
+        }
+
+
+def _jsonable(value: Any) -> Any:
+    """Plain-JSON form of stats: numpy/torch scalars to Python, NaN/Inf to strings."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", 0) == 0:
+        value = value.item()
+    if hasattr(value, "tolist") and callable(value.tolist):
+        return _jsonable(value.tolist())
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, enum.Enum):
+        return value.value
+    return value
