@@ -1,0 +1,75 @@
+"""The one dequantization entry point every caller uses.
+
+``dequantize(raw, qtype)`` turns a tensor's raw bytes into float32 values; the shape of the
+result is the raw shape with its last (byte) dimension replaced by the row length, and
+:func:`dequantize_tensor` reshapes to ``reversed(ne)`` in exactly one place. The ground
+truth behind it is ``gguf.quants.dequantize``; a faster bit-exact implementation may
+replace the internals without touching any caller (gguf-py stays the tests' oracle).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import gguf
+import numpy as np
+
+from ggufcheck.errors import Unavailable
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from ggufcheck.gguf.reader import GGUFModel
+
+Q = gguf.GGMLQuantizationType
+
+# integer and f64 tensor types gguf-py's dequantize does not handle: a plain view + cast
+_PLAIN_TYPES = {Q.I8: np.int8, Q.I16: np.int16, Q.I32: np.int32, Q.I64: np.int64, Q.F64: np.float64}
+
+
+def dequantize(raw: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+    """Raw uint8 blocks ``(..., row_bytes)`` -> float32 values ``(..., row_elements)``."""
+    return dequantize_gguf_py(raw, qtype)
+
+
+def dequantize_gguf_py(raw: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+    """The reference path: gguf-py's numpy dequantization (slow, trusted)."""
+    raw = np.ascontiguousarray(raw)
+    if qtype in _PLAIN_TYPES:
+        return raw.view(_PLAIN_TYPES[qtype]).astype(np.float32)
+    if qtype == Q.BF16:
+        # gguf-py returns bf16 widened to f32 already; keep its exact semantics
+        return np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32)
+    try:
+        out = gguf.quants.dequantize(raw, qtype)
+    except NotImplementedError as err:
+        raise Unavailable(f"dequantization of {qtype.name} is not implemented: {err}") from None
+    return np.asarray(out, dtype=np.float32)
+
+
+def dequantize_tensor(
+    model: "GGUFModel",
+    name: str,
+    rows: slice | None = None,
+    dtype: "torch.dtype | None" = None,
+    device: "str | torch.device" = "cpu",
+) -> "torch.Tensor":
+    """A tensor of ``model`` as torch, shape ``reversed(ne)`` (numpy order).
+
+    ``rows`` selects rows of the flattened 2-D view ``[n_rows, ne0]`` (step 1 only) and
+    reads only those bytes; the result is then ``[len(rows), ne0]``.
+    """
+    import torch
+
+    info = model.tensors[name]
+    if rows is None:
+        values = dequantize(model.raw(name), info.qtype).reshape(info.shape)
+    else:
+        start, stop, step = rows.indices(info.n_rows)
+        if step != 1:
+            raise ValueError("row slices must be contiguous (step 1)")
+        values = dequantize(model.raw_rows(name, start, max(start, stop)), info.qtype)
+    out = torch.from_numpy(np.ascontiguousarray(values))
+    if dtype is not None and dtype != torch.float32:
+        out = out.to(dtype)
+    return out.to(device) if str(device) != "cpu" else out
