@@ -41,7 +41,8 @@ def dequantize_gguf_py(raw: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.
         # gguf-py returns bf16 widened to f32 already; keep its exact semantics
         return np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32)
     try:
-        out = gguf.quants.dequantize(raw, qtype)
+        with np.errstate(all="ignore"):  # NaN/Inf scales are reported by the health scan
+            out = gguf.quants.dequantize(raw, qtype)
     except NotImplementedError as err:
         raise Unavailable(f"dequantization of {qtype.name} is not implemented: {err}") from None
     return np.asarray(out, dtype=np.float32)
@@ -69,6 +70,8 @@ def dequantize_tensor(
         if step != 1:
             raise ValueError("row slices must be contiguous (step 1)")
         values = dequantize(model.raw_rows(name, start, max(start, stop)), info.qtype)
+    if not values.flags.writeable:  # F32 data is a view of the read-only map: copy it
+        values = values.copy()
     out = torch.from_numpy(np.ascontiguousarray(values))
     if dtype is not None and dtype != torch.float32:
         out = out.to(dtype)
