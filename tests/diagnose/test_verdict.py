@@ -1,0 +1,52 @@
+"""The verdict rules: first failing stage, earliest layer, specific before generic."""
+
+from ggufcheck.diagnose.verdict import decide
+from ggufcheck.diagnose.vocabulary import COMPONENTS, component
+from ggufcheck.results import StageReport, errored, failed, passed, skipped
+
+
+def stage(name, *results):
+    s = StageReport(name)
+    s.add(list(results))
+    return s
+
+
+def test_healthy_when_nothing_fails():
+    v = decide([stage("file", passed("a", "gguf-file", "ok")), stage("logits", skipped("b", "output", "no engine"))])
+    assert v.healthy and v.component is None
+
+
+def test_first_stage_with_a_failure_decides():
+    v = decide([
+        stage("file", passed("a", "gguf-file", "ok")),
+        stage("weights", failed("w", "weights", "rank 1 holds shard 0", tensor="blk.0.attn_q.weight", layer=0)),
+        stage("logits", failed("kl", "output", "KL too high")),
+    ])
+    assert (v.healthy, v.component, v.stage, v.layer) == (False, "weights", "weights", 0)
+    assert v.evidence["tensor"] == "blk.0.attn_q.weight"
+    assert v.next_steps == component("weights").next_steps
+
+
+def test_earliest_layer_then_specific_component():
+    v = decide([stage(
+        "layers",
+        failed("l", "output", "diverged", layer=5),
+        failed("l", "attention", "attention diverged", layer=3),
+        failed("l", "mla-kv-b", "W_UV mismatch", layer=3),
+        failed("l", "ffn", "ffn", layer=4),
+    )])
+    assert (v.component, v.layer) == ("mla-kv-b", 3)
+
+
+def test_errors_alone_are_inconclusive():
+    v = decide([stage("kernels", errored("k", "kernel", "probe crashed"))])
+    assert not v.healthy and v.inconclusive and v.errors
+
+
+def test_vocabulary_is_the_documented_one():
+    names = [c.name for c in COMPONENTS]
+    assert names == [
+        "environment", "kernel", "gguf-file", "metadata", "mapping", "dequant", "weights", "sharding",
+        "embedding", "attention", "mla-kv-b", "rope", "norm", "indexer", "moe-router", "moe-experts",
+        "ffn", "lm-head", "prefill", "decode", "kv-cache", "batching", "sampling", "output",
+    ]

@@ -1,0 +1,64 @@
+"""The HTML report is one self-contained page that a real browser renders offline."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from ggufcheck.diagnose.verdict import decide
+from ggufcheck.report.html import line_chart, render_html
+from ggufcheck.results import StageReport, failed, passed
+
+
+def sample_stages():
+    layers = StageReport("layers", info={"per_layer": [
+        {"layer": i, "error": 1e-7 * (1 + i) if i < 3 else 0.5, "baseline": 1e-6} for i in range(6)]})
+    layers.add(failed("layers.residual", "attention", "residual diverged 5e5x its baseline", layer=3))
+    logits = StageReport("logits", info={"per_position": {
+        "kl": [1e-4, 2e-4, 0.5, 0.6], "argmax_agree": [1, 1, 0, 0], "entropy": [2.0, 2.1, 10.8, 10.8],
+        "ref_entropy": [2.0, 2.1, 1.5, 1.2]}})
+    logits.add(passed("logits.kl", "output", "mean KL 1e-4"))
+    return [layers, logits]
+
+
+def test_page_is_self_contained():
+    stages = sample_stages()
+    page = render_html("diagnose tiny.gguf", stages, decide(stages))
+    # no scripts, no external resources of any kind
+    assert "<script" not in page.lower()
+    refs = re.findall(r'(?:src|href)\s*=\s*"([^"]*)"', page)
+    assert refs == []
+    assert page.count("<svg") == 4  # per-layer error, KL, argmax agreement, entropy
+    assert "first failing component" in page and "attention" in page and "layer 3" in page
+
+
+def test_chart_handles_gaps_and_no_data():
+    assert "no data" in line_chart("t", [("a", [None, float("nan")])], log_y=True)
+    svg = line_chart("t", [("a", [1.0, None, 3.0, 4.0])])
+    assert svg.count("<polyline") == 1 and svg.count("<circle") == 1
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(_chromium() is None, reason="chromium is not installed (apt-get install chromium)")
+def test_renders_in_headless_chromium(tmp_path):
+    stages = sample_stages()
+    page_path = tmp_path / "report.html"
+    page_path.write_text(render_html("diagnose tiny.gguf", stages, decide(stages)))
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={tmp_path / 'profile'}"]
+    dom = subprocess.run([_chromium(), *flags, "--dump-dom", page_path.as_uri()],
+                         capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    assert "first failing component" in dom.stdout and dom.stdout.count("<svg") == 4
+    shot = tmp_path / "shot.png"
+    run = subprocess.run([_chromium(), *flags, f"--screenshot={shot}", "--window-size=1200,2400",
+                          page_path.as_uri()], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert shot.stat().st_size > 10_000  # a real rendering, not a blank page
