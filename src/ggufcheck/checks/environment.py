@@ -1,0 +1,211 @@
+"""The environment stage: what the engine's interpreter holds, as Results.
+
+Runs the env probe (:mod:`ggufcheck.probe.scripts.ggufcheck_probe_env`) inside the target
+interpreter and turns its messages into :class:`ggufcheck.results.Result` objects:
+component ``environment`` for Python / torch / CUDA / GPU / package imports, component
+``kernel`` for whether each package's compiled extensions carry machine code (SASS) for this
+GPU's architecture, only PTX (the driver JIT-compiles it at start), or neither (every kernel
+launch fails with "no kernel image is available").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ggufcheck.probe.runner import ProbeTarget, run_probe
+from ggufcheck.probe.scripts import ggufcheck_fatbin as fatbin
+from ggufcheck.results import Result, StageReport, errored, failed, passed, skipped
+
+DEFAULT_PACKAGES = ("torch", "vllm", "sglang", "flash_attn", "vllm.vllm_flash_attn",
+                    "flashinfer", "triton", "transformers", "llama_cpp")
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class EnvOptions:
+    target: ProbeTarget = field(default_factory=ProbeTarget)
+    packages: tuple[str, ...] = DEFAULT_PACKAGES
+    scan_extensions: bool = True
+    cuobjdump_budget_s: float = 120.0
+    import_timeout_s: float = 180.0
+    total_timeout_s: float = 1200.0
+
+
+def run_environment_stage(options: EnvOptions = EnvOptions()) -> StageReport:
+    """Probe the target interpreter; raises ProbeFailed when it cannot run at all."""
+    request = {"packages": list(options.packages), "scan_extensions": options.scan_extensions,
+               "cuobjdump_budget_s": options.cuobjdump_budget_s,
+               "import_timeout_s": options.import_timeout_s}
+    out = run_probe("ggufcheck_probe_env.py", request, options.target,
+                    idle_timeout=options.import_timeout_s + 30, total_timeout=options.total_timeout_s)
+    out.require_done(options.target.python)
+    return environment_report(out.messages)
+
+
+def environment_report(messages: list[dict]) -> StageReport:
+    """Messages of the env probe -> the stage's results (pure: tests feed it messages)."""
+    one = {m["type"]: m for m in messages if m.get("type") in ("python", "torch", "driver")}
+    py, torch, driver = one.get("python", {}), one.get("torch", {}), one.get("driver", {})
+    gpu = torch.get("gpu")
+    report = StageReport("environment", info={"python": py, "torch": torch, "driver": driver})
+    report.add(passed("environment.python", "environment",
+                      f"Python {py.get('version')} at {py.get('executable')}"))
+    report.add(_torch_result(torch))
+    report.add(_cuda_result(torch, driver))
+    if gpu:
+        report.add(passed("environment.gpu", "environment",
+                          f"{gpu['name']}, compute capability {gpu['major']}.{gpu['minor']} "
+                          f"(sm_{gpu['major']}{gpu['minor']}), {gpu['total_memory'] / GIB:.1f} GiB "
+                          f"({gpu['free_memory'] / GIB:.1f} GiB free), "
+                          f"{gpu['multiprocessors']} SMs", stats=gpu))
+        report.add(_torch_arch_result(torch, gpu))
+    extensions: dict[str, list[dict]] = {}
+    summaries: dict[str, dict] = {}
+    for m in messages:
+        if m.get("type") == "extension":
+            extensions.setdefault(m["package"], []).append(m)
+        elif m.get("type") == "extension_summary":
+            summaries[m["package"]] = m
+    for m in messages:
+        if m.get("type") == "result" and m.get("kind") == "package":
+            report.add(_package_result(m))
+            name = m["name"]
+            if extensions.get(name) or summaries.get(name, {}).get("files"):
+                report.add(binary_results(name, extensions.get(name, []), summaries.get(name, {}), gpu))
+    return report
+
+
+def _torch_result(torch: dict) -> Result:
+    if "error" in torch:
+        return failed("environment.torch", "environment", f"torch does not import: {torch['error']}")
+    cuda = torch.get("cuda_runtime") or "none (CPU build)"
+    return passed("environment.torch", "environment",
+                  f"torch {torch['version']} (CUDA runtime {cuda}, cuDNN {torch.get('cudnn')}) "
+                  f"from {torch['file']}", stats={"arch_list": torch.get("arch_list", [])})
+
+
+def _cuda_result(torch: dict, driver: dict) -> Result:
+    drv = driver.get("driver_version")
+    api = driver.get("cuda_driver_api")
+    where = f"driver {drv or 'unknown'} (CUDA driver API {api or 'unknown'})"
+    if "error" in torch:
+        return skipped("environment.cuda", "environment", "torch does not import")
+    if torch.get("cuda_error"):
+        return failed("environment.cuda", "environment", f"CUDA initialisation failed: "
+                      f"{torch['cuda_error']}; {where}")
+    if not torch.get("cuda_available"):
+        reason = "torch is a CPU build" if not torch.get("cuda_runtime") else \
+            f"torch built for CUDA {torch['cuda_runtime']} sees no GPU; {where}"
+        return skipped("environment.cuda", "environment", f"no CUDA device: {reason}")
+    runtime = torch.get("cuda_runtime")
+    stats = {"runtime": runtime, "driver": drv, "driver_api": api}
+    # CUDA's minor-version compatibility: a runtime runs on any driver of the same major
+    if api and runtime and _version(api)[:1] < _version(runtime)[:1]:
+        return failed("environment.cuda", "environment",
+                      f"CUDA runtime {runtime} needs a newer driver ({where})", stats=stats)
+    return passed("environment.cuda", "environment", f"CUDA runtime {runtime}, {where}", stats=stats)
+
+
+def _torch_arch_result(torch: dict, gpu: dict) -> Result:
+    arches = torch.get("arch_list") or []
+    sass = [int(a[3:].rstrip("af")) for a in arches if a.startswith("sm_")]
+    ptx = [int(a[8:].rstrip("af")) for a in arches if a.startswith("compute_")]
+    verdict = fatbin.verdict(sass, ptx, gpu["major"], gpu["minor"])
+    msg = f"torch's own kernels for sm_{gpu['major']}{gpu['minor']}: {verdict} (built for {', '.join(arches)})"
+    stats = {"verdict": verdict, "arch_list": arches}
+    if verdict == "none":
+        return failed("kernel.binary.torch_arch_list", "kernel", msg, stats=stats)
+    return passed("kernel.binary.torch_arch_list", "kernel", msg, stats=stats)
+
+
+def _package_result(m: dict) -> Result:
+    name, check = m["name"], f"environment.package.{m['name']}"
+    if m["status"] == "ok":
+        version = m.get("version") or "(no version)"
+        return passed(check, "environment", f"{name} {version} imports from {m.get('file')}",
+                      stats={k: m.get(k) for k in ("version", "file", "seconds")})
+    if m["status"] == "missing":
+        return skipped(check, "environment", f"{name} is not installed")
+    tail = (m.get("stderr_tail") or "").strip()
+    return failed(check, "environment", f"{name} is installed but does not import: {m.get('error')}"
+                  + (f"; stderr: {tail[-300:]}" if tail else ""),
+                  stats={"directory": m.get("directory")})
+
+
+def binary_results(name: str, files: list[dict], summary: dict, gpu: dict | None) -> list[Result]:
+    """One result for a package's compiled GPU code, one for the cuobjdump cross-check."""
+    check = f"kernel.binary.{name}"
+    device = [f for f in files if f.get("entries")]
+    broken = [f for f in files if f.get("error")]
+    stats = {"files_scanned": summary.get("files", len(files)),
+             "files_with_device_code": len(device),
+             "files": {f["file"]: {"sass": f.get("sass"), "ptx": f.get("ptx"),
+                                   "verdict": f.get("verdict")} for f in device}}
+    results: list[Result] = []
+    if broken:
+        results.append(errored(f"{check}.unreadable", "kernel",
+                               "; ".join(f"{b['file']}: {b['error']}" for b in broken[:5]),
+                               stats={"files": [b["file"] for b in broken]}))
+    if not device:
+        results.append(skipped(check, "kernel", f"{name}: no compiled GPU code found "
+                               f"({stats['files_scanned']} shared objects scanned)", stats=stats))
+        return results
+    if gpu is None:
+        arches = sorted({a for f in device for a in f.get("sass", [])})
+        results.append(skipped(check, "kernel", f"{name}: no GPU visible to match against; its "
+                               f"fatbinaries carry SASS for sm_{', sm_'.join(map(str, arches))}",
+                               stats=stats))
+    else:
+        arch = f"sm_{gpu['major']}{gpu['minor']}"
+        none = [f["file"] for f in device if f.get("verdict") == "none"]
+        ptx_only = [f["file"] for f in device if f.get("verdict") == "ptx-only"]
+        if none:
+            results.append(failed(check, "kernel", f"{name}: {len(none)} of {len(device)} compiled "
+                                  f"extensions carry no code for {arch} (neither SASS nor PTX): "
+                                  f"{', '.join(_short(p) for p in none[:4])}", stats=stats))
+        elif ptx_only:
+            results.append(passed(check, "kernel", f"{name}: {len(ptx_only)} of {len(device)} "
+                                  f"extensions carry only PTX for {arch} (the driver JIT-compiles "
+                                  f"them at first use: slow start, no arch-specific code): "
+                                  f"{', '.join(_short(p) for p in ptx_only[:4])}", stats=stats))
+        else:
+            results.append(passed(check, "kernel", f"{name}: all {len(device)} extensions with GPU "
+                                  f"code carry SASS for {arch}", stats=stats))
+    results.append(_cuobjdump_result(name, device))
+    return results
+
+
+def _cuobjdump_result(name: str, device: list[dict]) -> Result:
+    check = f"kernel.binary.{name}.cuobjdump"
+    crossed = [f for f in device if f.get("cuobjdump")]
+    if not crossed:
+        why = "cuobjdump is not installed" if all("cuobjdump" in f for f in device) or not device \
+            else "cuobjdump time budget spent before these files"
+        return skipped(check, "kernel", f"fatbinary parse not cross-checked: {why}")
+    disagree = []
+    for f in crossed:
+        c = f["cuobjdump"]
+        if c.get("errors"):
+            continue
+        if sorted(c["sass"]) != sorted(f["sass"]) or sorted(c["ptx"]) != sorted(f["ptx"]):
+            disagree.append(f"{_short(f['file'])}: ours SASS {f['sass']} PTX {f['ptx']}, "
+                            f"cuobjdump SASS {c['sass']} PTX {c['ptx']}")
+    errors = [f"{_short(f['file'])}: {f['cuobjdump']['errors'][0]}" for f in crossed
+              if f["cuobjdump"].get("errors")]
+    stats = {"cross_checked": len(crossed), "disagree": disagree, "cuobjdump_errors": errors}
+    if disagree:
+        return failed(check, "kernel", f"the fatbinary parser and cuobjdump disagree on "
+                      f"{len(disagree)} file(s): {disagree[0]}", stats=stats)
+    if len(errors) == len(crossed):
+        return errored(check, "kernel", f"cuobjdump failed on every file: {errors[0]}", stats=stats)
+    return passed(check, "kernel", f"fatbinary parse agrees with cuobjdump on "
+                  f"{len(crossed) - len(errors)} file(s)", stats=stats)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in text.split(".")[:2] if p.isdigit())
+
+
+def _short(path: str) -> str:
+    parts = path.split("/")
+    return "/".join(parts[-3:])
