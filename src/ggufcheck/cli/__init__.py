@@ -17,6 +17,7 @@ from ggufcheck.errors import ExitStatus, GGUFCheckError
 
 # Subcommand modules, in the order they appear in --help (data-flow order).
 COMMANDS = [
+    "env",
     "inspect",
 ]
 

@@ -1,0 +1,1 @@
+"""The diagnosis: ordered stages, each eliminating one variable, and the verdict."""
