@@ -39,11 +39,13 @@ def human_count(n: float) -> str:
 
 def render_stage(console: Console, stage: StageReport, verbose: bool = False) -> None:
     table = Table(title=f"stage: {stage.stage}  {status_text(stage.status)}", title_justify="left",
-                  show_lines=False, expand=False)
+                  show_lines=False, expand=True)
+    show_where = any(_where(r) for r in stage.results)
     table.add_column("status", no_wrap=True)
-    table.add_column("check", no_wrap=True)
-    table.add_column("where", overflow="fold")
-    table.add_column("message", overflow="fold")
+    table.add_column("check", overflow="fold", max_width=34)
+    if show_where:
+        table.add_column("where", overflow="fold", max_width=30)
+    table.add_column("message", overflow="fold", ratio=1)
     by_check: dict[str, list[Result]] = defaultdict(list)
     for r in stage.results:
         by_check[r.check].append(r)
@@ -52,10 +54,11 @@ def render_stage(console: Console, stage: StageReport, verbose: bool = False) ->
         others = [r for r in results if r.status != Status.PASS]
         shown = passes if verbose or len(passes) <= MAX_PASS_ROWS_PER_CHECK else []
         for r in others + shown:
-            table.add_row(status_text(r.status), check, _where(r), r.message)
+            row = [status_text(r.status), check] + ([_where(r)] if show_where else []) + [r.message]
+            table.add_row(*row)
         if len(shown) < len(passes):
-            table.add_row(status_text(Status.PASS), check, f"{len(passes)} items",
-                          f"all {len(passes)} passed (--verbose lists them)")
+            row = [status_text(Status.PASS), check] + ([f"{len(passes)} items"] if show_where else [])
+            table.add_row(*row, f"all {len(passes)} passed (--verbose lists them)")
     console.print(table)
 
 
