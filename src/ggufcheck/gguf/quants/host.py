@@ -1,0 +1,161 @@
+"""CPU dequantization: route each type to its numba kernel, or to gguf-py when numba is absent.
+
+Why a separate module: the kernels (``cpu.py``) need numba; this file works without it.
+If numba is missing, a kernel fails to compile, or ``GGUFCHECK_DEQUANT=gguf-py`` is set, the
+call falls back to gguf-py's numpy code (bit-exact by definition, just slow) and
+:func:`cpu_path` says which path a type takes and why.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import gguf
+import numpy as np
+
+from ggufcheck.gguf.quants import tables
+
+Q = gguf.GGMLQuantizationType
+
+FORCE_ENV = "GGUFCHECK_DEQUANT"  # "gguf-py" forces the reference path everywhere
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One CPU kernel: its name in ``cpu.py`` and the lookup tables it takes after (src, out)."""
+
+    name: str
+    tables: Callable[[], tuple[np.ndarray, ...]] = lambda: (tables.f16_to_f32(),)
+
+
+def _f16_and(*extra: Callable[[], np.ndarray]) -> Callable[[], tuple[np.ndarray, ...]]:
+    return lambda: (tables.f16_to_f32(), *(make() for make in extra))
+
+
+def _iq4() -> np.ndarray:
+    return tables.IQ4_LEVELS.astype(np.float32)
+
+
+def _fp4() -> np.ndarray:
+    return tables.FP4_LEVELS.astype(np.float32)
+
+
+def _grid(qtype: Q) -> Callable[[], np.ndarray]:
+    return lambda: tables.grid(qtype)
+
+
+_POW3 = lambda: np.array([1, 3, 9, 27, 81], dtype=np.int32)  # noqa: E731
+
+# qtype -> kernel; one row per type gguf-py dequantizes (F32 is a plain copy)
+KERNELS: dict[Q, Kernel] = {
+    Q.F16: Kernel("f16"),
+    Q.BF16: Kernel("bf16", lambda: ()),
+    Q.Q4_0: Kernel("q4_0"),
+    Q.Q4_1: Kernel("q4_1"),
+    Q.Q5_0: Kernel("q5_0"),
+    Q.Q5_1: Kernel("q5_1"),
+    Q.Q8_0: Kernel("q8_0"),
+    Q.Q2_K: Kernel("q2_k"),
+    Q.Q3_K: Kernel("q3_k"),
+    Q.Q4_K: Kernel("q4_k"),
+    Q.Q5_K: Kernel("q5_k"),
+    Q.Q6_K: Kernel("q6_k"),
+    Q.TQ1_0: Kernel("tq1_0", _f16_and(_POW3)),
+    Q.TQ2_0: Kernel("tq2_0"),
+    Q.MXFP4: Kernel("mxfp4", lambda: (tables.e8m0_half_to_f32(), _fp4())),
+    Q.NVFP4: Kernel("nvfp4", lambda: (tables.ue4m3_half_to_f32(), _fp4())),
+    Q.IQ2_XXS: Kernel("iq2_xxs", _f16_and(_grid(Q.IQ2_XXS), tables.ksigns)),
+    Q.IQ2_XS: Kernel("iq2_xs", _f16_and(_grid(Q.IQ2_XS), tables.ksigns)),
+    Q.IQ2_S: Kernel("iq2_s", _f16_and(_grid(Q.IQ2_S))),
+    Q.IQ3_XXS: Kernel("iq3_xxs", _f16_and(_grid(Q.IQ3_XXS), tables.ksigns)),
+    Q.IQ3_S: Kernel("iq3_s", _f16_and(_grid(Q.IQ3_S))),
+    Q.IQ1_S: Kernel("iq1_s", _f16_and(_grid(Q.IQ1_S))),
+    Q.IQ1_M: Kernel("iq1_m", _f16_and(_grid(Q.IQ1_M))),
+    Q.IQ4_NL: Kernel("iq4_nl", _f16_and(_iq4)),
+    Q.IQ4_XS: Kernel("iq4_xs", _f16_and(_iq4)),
+}
+
+_broken: dict[Q, str] = {}  # types whose kernel failed to compile or run -> why
+_table_cache: dict[Q, tuple[np.ndarray, ...]] = {}
+
+
+def _numba_unavailable() -> str | None:
+    if os.environ.get(FORCE_ENV, "").lower() in ("gguf-py", "gguf_py", "reference"):
+        return f"{FORCE_ENV}={os.environ[FORCE_ENV]}"
+    try:
+        import numba  # noqa: F401
+    except Exception as err:  # ImportError, or a broken llvmlite
+        return f"numba unavailable: {err}"
+    return None
+
+
+def cpu_path(qtype: Q) -> str:
+    """Which CPU path ``qtype`` takes now: 'numba', 'copy', or 'gguf-py (<why>)'."""
+    if qtype == Q.F32:
+        return "copy"
+    if qtype not in KERNELS:
+        return "gguf-py (no numba kernel for this type)"
+    why = _numba_unavailable() or _broken.get(qtype)
+    return f"gguf-py ({why})" if why else "numba"
+
+
+def dequantize_into(raw: np.ndarray, qtype: Q, out: np.ndarray) -> np.ndarray:
+    """Dequantize whole blocks ``raw`` (uint8, any shape, C-contiguous) into float32 ``out``.
+
+    ``out`` must be C-contiguous float32 with ``raw.size // type_size * block_size`` elements
+    (any shape); it is returned. Use it to fill a preallocated buffer row chunk by chunk.
+    """
+    block, size = tables.block_geometry(qtype)
+    if raw.dtype != np.uint8 or raw.size % size:
+        raise ValueError(f"{qtype.name}: raw must be uint8 whole blocks of {size} bytes, got {raw.dtype} x {raw.size}")
+    n_out = raw.size // size * block
+    if out.dtype != np.float32 or out.size != n_out or not out.flags.c_contiguous:
+        raise ValueError(f"{qtype.name}: out must be C-contiguous float32 of {n_out} elements")
+    src = np.ascontiguousarray(raw).reshape(-1)  # (n_bytes,)
+    flat = out.reshape(-1)  # (n_elements,)
+    if qtype == Q.F32:
+        flat[:] = src.view(np.float32)
+        return out
+    if cpu_path(qtype) == "numba" and _run_kernel(qtype, src, flat):
+        return out
+    flat[:] = _gguf_py(src, qtype).reshape(-1)
+    return out
+
+
+def dequantize(raw: np.ndarray, qtype: Q) -> np.ndarray:
+    """Raw blocks ``(..., row_bytes)`` -> float32 ``(..., row_elements)``, like gguf-py."""
+    block, size = tables.block_geometry(qtype)
+    if raw.shape and raw.shape[-1] % size:
+        raise ValueError(f"{qtype.name}: row of {raw.shape[-1]} bytes is not whole blocks of {size}")
+    shape = (*raw.shape[:-1], raw.shape[-1] // size * block) if raw.shape else (raw.size // size * block,)
+    out = np.empty(shape, dtype=np.float32)
+    return dequantize_into(raw, qtype, out)
+
+
+def _run_kernel(qtype: Q, src: np.ndarray, out: np.ndarray) -> bool:
+    """Run the numba kernel; on a compile/run failure remember why and return False."""
+    spec = KERNELS[qtype]
+    try:
+        from ggufcheck.gguf.quants import cpu
+
+        if qtype not in _table_cache:
+            _table_cache[qtype] = spec.tables()
+        kernel = getattr(cpu, spec.name)
+        if qtype == Q.BF16:
+            kernel(src, out.view(np.uint32))
+        else:
+            kernel(src, out, *_table_cache[qtype])
+        return True
+    except Exception as err:  # numba TypingError / LoweringError, llvmlite failures
+        _broken[qtype] = f"numba kernel failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        return False
+
+
+def _gguf_py(src: np.ndarray, qtype: Q) -> np.ndarray:
+    import gguf.quants
+
+    if qtype == Q.F16:
+        return src.view(np.float16).astype(np.float32)
+    return np.asarray(gguf.quants.dequantize(src, qtype), dtype=np.float32)
