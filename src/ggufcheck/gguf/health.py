@@ -16,6 +16,7 @@ import numpy as np
 
 from ggufcheck.gguf.dequant import dequantize
 from ggufcheck.gguf.reader import GGUFModel, TensorInfo
+from ggufcheck.gguf.stats import chunk_stats
 
 Q = gguf.GGMLQuantizationType
 
@@ -28,7 +29,7 @@ SCALE_FIELDS: dict[gguf.GGMLQuantizationType, tuple[int, ...]] = {
 
 # A weight this large overflows fp16 (65504) and is far outside any trained model's range.
 ABSURD_MAGNITUDE = 65504.0
-CHUNK_ELEMENTS = 1 << 22  # ~16 MB of float32 per chunk
+CHUNK_ELEMENTS = 1 << 18  # 1 MB of float32 per chunk: stays in cache between dequant and stats
 
 
 @dataclass
@@ -73,27 +74,19 @@ def scan_tensor(model: GGUFModel, info: TensorInfo) -> TensorHealth:
     rows_per_chunk = max(1, CHUNK_ELEMENTS // max(1, info.row_elements))
     total = 0.0
     total_sq = 0.0
-    finite_count = 0
     for start in range(0, info.n_rows, rows_per_chunk):
         stop = min(info.n_rows, start + rows_per_chunk)
         values = dequantize(model.raw_rows(info.name, start, stop), info.qtype)
-        values = values.reshape(stop - start, info.row_elements)
-        nan = np.isnan(values)
-        inf = np.isinf(values)
-        n_nan, n_inf = int(nan.sum()), int(inf.sum())
-        if (n_nan or n_inf) and h.first_bad_value is None:
-            flat = np.flatnonzero(nan | inf)[0]
-            h.first_bad_value = start * info.row_elements + int(flat)
-        h.nan += n_nan
-        h.inf += n_inf
-        finite = values if not (n_nan or n_inf) else np.where(nan | inf, 0.0, values)
-        h.zero_rows += int((~finite.any(axis=1) & ~(nan | inf).any(axis=1)).sum())
-        if finite.size:
-            h.absmax = max(h.absmax, float(np.abs(finite).max()))
-        f64 = finite.astype(np.float64)
-        total += float(f64.sum())
-        total_sq += float(np.square(f64).sum())
-        finite_count += values.size - n_nan - n_inf
+        c = chunk_stats(values.reshape(stop - start, info.row_elements))
+        if c.first_bad >= 0 and h.first_bad_value is None:
+            h.first_bad_value = start * info.row_elements + c.first_bad
+        h.nan += c.nan
+        h.inf += c.inf
+        h.zero_rows += c.zero_rows
+        h.absmax = max(h.absmax, c.absmax)
+        total += c.total
+        total_sq += c.total_sq
+    finite_count = info.n_elements - h.nan - h.inf
     if finite_count:
         h.mean = total / finite_count
         h.std = float(np.sqrt(max(0.0, total_sq / finite_count - h.mean**2)))
