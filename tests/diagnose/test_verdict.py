@@ -50,3 +50,11 @@ def test_vocabulary_is_the_documented_one():
         "embedding", "attention", "mla-kv-b", "rope", "norm", "indexer", "moe-router", "moe-experts",
         "ffn", "lm-head", "prefill", "decode", "kv-cache", "batching", "sampling", "output",
     ]
+
+
+def test_docs_list_every_component():
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "verdicts.md").read_text()
+    for c in COMPONENTS:
+        assert f"| `{c.name}` |" in doc, c.name
