@@ -1,0 +1,80 @@
+"""The DeepSeek Sparse Attention (DSA) lightning indexer, as glm-dsa uses it (architectures.md sec 5).
+
+A full layer scores every visible key with its own small multi-head projection and keeps
+the ``top_k`` best per query; a shared layer reuses the indices of the latest full layer.
+The MLA attention then adds -inf outside the chosen keys, on top of the causal mask. While
+a query sees at most top_k keys this changes nothing (DSA == dense causal attention
+exactly); past that, the choice matters, so tests use prompts longer than top_k.
+
+GLM's indexer uses NORM (interleaved) rope on the FIRST R dims of each head ([rope, nope]),
+the same frequencies and positions as the main attention. The official kernels' Hadamard
+rotation and fp8 preserve dot products up to precision, so the reference skips them.
+
+Dimension letters: T queries, S keys, Hi indexer heads, Di indexer head dim, Q q_lora_rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ggufcheck.reference.cache import LayerCache
+from ggufcheck.reference.config import ReferenceConfig
+from ggufcheck.reference.layers import apply_rope, causal_mask, layer_norm, linear
+
+Weights = dict[str, Tensor]
+
+
+def index_scores(
+    cfg: ReferenceConfig, w: Weights, x: Tensor, qr: Tensor, rope: tuple[Tensor, Tensor],
+    q_pos: Tensor, k_pos: Tensor, cache: LayerCache,
+) -> Tensor:
+    """Indexer scores [T, S]: sum_h w[t, h] * relu(q[t, h] . k[s]), -inf for future keys.
+
+    x [T, D] is the attention input after attn_norm; qr [T, Q] the MLA's normed q_a.
+    """
+    n_tok = x.shape[0]
+    cos, sin = rope
+    q = linear(qr, w["indexer.attn_q_b.weight"]).view(n_tok, cfg.indexer_heads, cfg.indexer_dim)  # [T, Hi, Di]
+    k = layer_norm(linear(x, w["indexer.attn_k.weight"]), w["indexer.k_norm.weight"],
+                   w.get("indexer.k_norm.bias"), cfg.indexer_norm_eps)  # [T, Di]: one key head for all
+    q = apply_rope(q, cos, sin, cfg.rope_mode)  # rope on the first R dims of each head
+    k = apply_rope(k[:, None, :], cos, sin, cfg.rope_mode)[:, 0]  # [T, Di]
+    k_all = cache.extend("index_k", k)  # [S, Di]
+    head_w = linear(x, w["indexer.proj.weight"]) * (cfg.indexer_heads**-0.5 * cfg.indexer_dim**-0.5)  # [T, Hi]
+    scores = torch.einsum("thd,sd->ths", q, k_all).relu()  # [T, Hi, S]
+    scores = torch.einsum("th,ths->ts", head_w, scores)  # [T, S]
+    return scores.masked_fill(~causal_mask(q_pos, k_pos), float("-inf"))
+
+
+def select_top_k(scores: Tensor, top_k: int) -> Tensor:
+    """Best min(top_k, S) keys per query [T, k], best first; -1 where only masked keys are left."""
+    k = min(top_k, scores.shape[-1])
+    best = scores.topk(k, dim=-1)
+    return best.indices.masked_fill(torch.isinf(best.values), -1)
+
+
+def top_k_mask(indices: Tensor, n_keys: int) -> Tensor:
+    """[T, k] key indices (-1 = none) -> [T, S] bool, True at the chosen keys."""
+    mask = torch.zeros(indices.shape[0], n_keys + 1, dtype=torch.bool, device=indices.device)
+    mask.scatter_(1, torch.where(indices < 0, n_keys, indices), True)  # -1 lands in a spare column
+    return mask[:, :n_keys]
+
+
+def indexer_top_k(
+    cfg: ReferenceConfig, i: int, w: Weights, x: Tensor, qr: Tensor, rope: tuple[Tensor, Tensor],
+    q_pos: Tensor, k_pos: Tensor, cache: LayerCache, shared: dict,
+) -> tuple[Tensor, bool]:
+    """This layer's top-k [T, k] and whether it ran its own indexer (full) or reused one (shared).
+
+    ``shared["topk"]`` carries the latest full layer's indices to the following shared layers.
+    """
+    if cfg.indexer_full[i]:
+        if qr is None:
+            raise ValueError("the DSA indexer needs q_lora (attn_q_a)")
+        indices = select_top_k(index_scores(cfg, w, x, qr, rope, q_pos, k_pos, cache), cfg.indexer_top_k)
+        shared["topk"] = indices
+        return indices, True
+    if "topk" not in shared:
+        raise ValueError(f"layer {i} is a shared indexer layer but no earlier full layer ran")
+    return shared["topk"], False

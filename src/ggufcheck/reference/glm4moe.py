@@ -1,0 +1,33 @@
+"""glm4moe (GLM-4.5 / 4.6 / 4.7) decoder layers (architectures.md sec 4).
+
+GQA attention (the dense family's block: optional q/k/v biases, optional per-head q/k
+RMSNorm before rope) with NEOX rope on the first ``rope.dimension_count`` dims of each head
+(partial rotary), then a dense SwiGLU below ``leading_dense_block_count`` and the sigmoid
+router + routed experts + shared expert above. The pre-FFN norm is ``post_attention_norm``.
+NextN layers (counted in block_count) are not run: the config excludes them.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from ggufcheck.reference.cache import LayerCache, LayerOutput
+from ggufcheck.reference.config import ReferenceConfig
+from ggufcheck.reference.dense import Weights, self_attention
+from ggufcheck.reference.layers import moe_block, rms_norm, swiglu
+
+
+def forward_layer(
+    cfg: ReferenceConfig, i: int, w: Weights, h: Tensor, rope: tuple[Tensor, Tensor],
+    q_pos: Tensor, k_pos: Tensor, cache: LayerCache, shared: dict,
+) -> LayerOutput:
+    """One glm4moe decoder layer on the residual stream h [T, D]."""
+    attn_out = self_attention(cfg, w, rms_norm(h, w["attn_norm.weight"], cfg.rms_eps), rope, q_pos, k_pos, cache)
+    after_attn = h + attn_out
+    x = rms_norm(after_attn, w["post_attention_norm.weight"], cfg.rms_eps)
+    if cfg.is_moe_layer(i):
+        ffn_out, ids, weights = moe_block(cfg, w, x)
+    else:
+        ffn_out, ids, weights = swiglu(x, w["ffn_gate.weight"], w["ffn_up.weight"], w["ffn_down.weight"]), None, None
+    return LayerOutput(hidden=after_attn + ffn_out, after_attn=after_attn, attn_out=attn_out, ffn_out=ffn_out,
+                       expert_ids=ids, expert_weights=weights)

@@ -1,0 +1,180 @@
+"""Shared primitives of the reference forward pass: norms, RoPE, attention, SwiGLU, MoE.
+
+Deliberately naive (architectures.md sec 1-3, style.md principle 3): every function is a
+few lines of einsum / matmul in the caller's working dtype (fp32 or fp64), with no fused
+kernels and no in-place tricks, so a reader can check it against the spec line by line.
+
+Dimension letters: T query tokens, S key tokens, H query heads, G kv heads (Hkv),
+d head dim, D hidden, E experts, K experts per token, F ffn width.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ggufcheck.reference.config import ReferenceConfig, YarnConfig
+
+# --- norms ---------------------------------------------------------------------------
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``x / sqrt(mean(x^2) + eps) * w`` over the last dim, in x's dtype (fp32 or fp64)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
+    """LayerNorm over the last dim (biased variance, like torch and ggml)."""
+    mean = x.mean(-1, keepdim=True)
+    var = (x - mean).pow(2).mean(-1, keepdim=True)
+    y = (x - mean) * torch.rsqrt(var + eps) * weight
+    return y + bias if bias is not None else y
+
+
+# --- RoPE ----------------------------------------------------------------------------
+
+
+def rope_inv_freq(
+    n_rot: int, base: float, yarn: YarnConfig | None = None, freq_factors: Tensor | None = None
+) -> Tensor:
+    """theta_i / p for i < n_rot/2, in float64 (architectures.md sec 2, YaRN included)."""
+    i = torch.arange(n_rot // 2, dtype=torch.float64)
+    inv_freq = base ** (-2.0 * i / n_rot)  # [n_rot/2]
+    if freq_factors is not None:  # llama-3 style rope_freqs.weight: theta_i /= rope_freqs[i]
+        inv_freq = inv_freq / freq_factors.to(torch.float64).cpu()
+    if yarn is not None:
+
+        def corr(n_rotations: float) -> float:
+            return n_rot * math.log(yarn.original_context / (n_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(0.0, math.floor(corr(yarn.beta_fast)))
+        high = min(n_rot - 1.0, math.ceil(corr(yarn.beta_slow)))
+        ramp = ((i - low) / max(0.001, high - low)).clamp(0, 1)
+        mix = 1 - ramp  # 1: keep the base frequency (extrapolate), 0: interpolate by 1/F
+        inv_freq = inv_freq * ((1 / yarn.factor) * (1 - mix) + mix)
+    return inv_freq
+
+
+def rope_cos_sin(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin of p * theta_i: [T, n_rot/2] each, angles computed in float64."""
+    angles = positions.to(torch.float64).cpu()[:, None] * inv_freq[None, :]  # [T, n_rot/2]
+    device = positions.device
+    return angles.cos().to(dtype=dtype, device=device), angles.sin().to(dtype=dtype, device=device)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, mode: str) -> Tensor:
+    """Rotate the first n_rot = 2 * cos.shape[-1] dims of x [T, H, d]; the rest pass through.
+
+    ``mode`` "norm" pairs (x[2i], x[2i+1]) (ggml mode 0, interleaved); "neox" pairs
+    (x[i], x[i + n_rot/2]). Each pair (a, b) -> (a cos - b sin, a sin + b cos).
+    """
+    half = cos.shape[-1]
+    n_rot = 2 * half
+    rot, rest = x[..., :n_rot], x[..., n_rot:]
+    c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, n_rot/2]
+    if mode == "norm":
+        a, b = rot[..., 0::2], rot[..., 1::2]  # [T, H, n_rot/2] each
+        out = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)  # [T, H, n_rot]
+    elif mode == "neox":
+        a, b = rot[..., :half], rot[..., half:]
+        out = torch.cat((a * c - b * s, a * s + b * c), dim=-1)  # [T, H, n_rot]
+    else:
+        raise ValueError(f"unknown rope mode {mode!r}")
+    return torch.cat((out, rest), dim=-1)
+
+
+# --- attention -----------------------------------------------------------------------
+
+
+def causal_mask(q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    """[T, S] bool, True where query t may see key s (k_pos[s] <= q_pos[t])."""
+    return k_pos[None, :] <= q_pos[:, None]
+
+
+def attention(
+    q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float
+) -> Tensor:
+    """Softmax attention: q [T, H, d], k [S, G, d], v [S, G, dv], allowed [T, S] -> [T, H, dv].
+
+    GQA: query head h reads kv head h // (H / G). Softmax in the working dtype (>= fp32).
+    """
+    n_head, n_kv = q.shape[1], k.shape[1]
+    group = n_head // n_kv
+    k = k.repeat_interleave(group, dim=1)  # [S, H, d]
+    v = v.repeat_interleave(group, dim=1)  # [S, H, dv]
+    scores = torch.einsum("thd,shd->hts", q, k) * scale  # [H, T, S]
+    scores = scores.masked_fill(~allowed[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hts,shd->thd", probs, v)  # [T, H, dv]
+
+
+# --- feed-forward --------------------------------------------------------------------
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [.., in] @ W[out, in].T (+ b): the GGUF [out, in] layout is torch's Linear layout."""
+    y = x @ weight.T
+    return y + bias if bias is not None else y
+
+
+def swiglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
+    """``down(silu(gate(x)) * up(x))``; gate/up [F, D], down [D, F]."""
+    return linear(torch.nn.functional.silu(linear(x, gate)) * linear(x, up), down)
+
+
+def route(x: Tensor, gate_inp: Tensor, bias: Tensor | None, cfg: ReferenceConfig) -> tuple[Tensor, Tensor]:
+    """The MoE router (architectures.md sec 3): x [T, D] -> (expert ids [T, K], weights [T, K]).
+
+    Probabilities from softmax or sigmoid; the bias only steers SELECTION; groups keep
+    their top ``n_group_used`` by the sum of their top-2 biased scores, others get -inf;
+    weights are gathered from the UNBIASED probabilities, optionally normalized, scaled once.
+    """
+    logits = linear(x, gate_inp)  # [T, E]
+    probs = torch.softmax(logits, dim=-1) if cfg.gating == "softmax" else torch.sigmoid(logits)
+    select = probs + bias if bias is not None else probs  # [T, E]
+    if cfg.n_group > 1:
+        n_tok = select.shape[0]
+        grouped = select.view(n_tok, cfg.n_group, cfg.n_expert // cfg.n_group)  # [T, G, E/G]
+        group_score = grouped.topk(2, dim=-1).values.sum(-1)  # [T, G]
+        keep = group_score.topk(cfg.n_group_used, dim=-1).indices  # [T, Gu]
+        group_ok = torch.zeros_like(group_score, dtype=torch.bool).scatter(1, keep, True)  # [T, G]
+        expert_ok = group_ok[:, :, None].expand_as(grouped).reshape(n_tok, cfg.n_expert)  # [T, E]
+        select = select.masked_fill(~expert_ok, float("-inf"))
+    ids = select.topk(cfg.n_expert_used, dim=-1).indices  # [T, K]
+    weights = probs.gather(1, ids)  # [T, K]
+    if cfg.expert_weights_norm:
+        weights = weights / weights.sum(-1, keepdim=True).clamp_min(6.103515625e-5)
+    return ids, weights * cfg.expert_weights_scale
+
+
+def moe(x: Tensor, ids: Tensor, weights: Tensor, gate_exps: Tensor, up_exps: Tensor, down_exps: Tensor) -> Tensor:
+    """sum_k w_k * expert_{ids_k}(x): an explicit loop over the experts that were chosen.
+
+    x [T, D]; ids, weights [T, K]; gate/up_exps [E, F, D]; down_exps [E, D, F] -> [T, D].
+    """
+    out = torch.zeros_like(x)
+    for e in torch.unique(ids).tolist():
+        tok, slot = torch.nonzero(ids == e, as_tuple=True)  # tokens that chose e, and where
+        y = swiglu(x[tok], gate_exps[e], up_exps[e], down_exps[e])  # [n, D]
+        out.index_add_(0, tok, y * weights[tok, slot, None])
+    return out
+
+
+def moe_block(cfg: ReferenceConfig, w: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Routed experts plus the unweighted shared expert: x [T, D] -> (out [T, D], ids, weights).
+
+    Stacked expert tensors as GGUF stores them: ``ffn_gate_exps`` / ``ffn_up_exps`` [E, F, D]
+    (or fused ``ffn_gate_up_exps`` [E, 2F, D]: gate rows first), ``ffn_down_exps`` [E, D, F].
+    """
+    ids, weights = route(x, w["ffn_gate_inp.weight"], w.get("exp_probs_b.bias"), cfg)
+    if "ffn_gate_up_exps.weight" in w:
+        gate_up = w["ffn_gate_up_exps.weight"]  # [E, 2F, D]
+        gate, up = gate_up[:, : cfg.n_ff_exp], gate_up[:, cfg.n_ff_exp :]  # [E, F, D] each
+    else:
+        gate, up = w["ffn_gate_exps.weight"], w["ffn_up_exps.weight"]
+    out = moe(x, ids, weights, gate, up, w["ffn_down_exps.weight"])
+    if "ffn_gate_shexp.weight" in w:
+        out = out + swiglu(x, w["ffn_gate_shexp.weight"], w["ffn_up_shexp.weight"], w["ffn_down_shexp.weight"])
+    return out, ids, weights

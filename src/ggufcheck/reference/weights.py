@@ -1,0 +1,114 @@
+"""The reference's weights: the file's own dequantized values, by GGUF tensor name.
+
+Weights are read straight from the GGUF layout (split k_b / v_b, stacked experts), never
+from an HF rebuild, so the reference and the rebuild can check each other.
+
+Two modes:
+- resident: each layer's tensors are dequantized once and kept (small models, decode).
+- streaming: a layer's tensors are dequantized when it runs and dropped after, and the
+  mmap pages they came from are released (``madvise(MADV_DONTNEED)``), so peak memory is
+  about one layer plus activations plus the embedding rows and an output-head chunk,
+  whatever the file size. The embedding is read row by row for the prompt's tokens only,
+  and the output head in row chunks.
+"""
+
+from __future__ import annotations
+
+import mmap
+import warnings
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from ggufcheck.gguf.dequant import dequantize_tensor
+from ggufcheck.gguf.reader import GGUFModel, TensorInfo
+
+_PAGE = mmap.PAGESIZE
+
+
+class WeightStore:
+    """Dequantized tensors of one GGUF model in a working dtype on a device."""
+
+    def __init__(self, model: GGUFModel, dtype: torch.dtype, device: str | torch.device, streaming: bool):
+        self.model = model
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.streaming = streaming
+        self._layers: dict[int, dict[str, Tensor]] = {}
+        self._globals: dict[str, Tensor] = {}
+        self._layer_names: dict[int, list[str]] = {}
+        for name in model.tensors:
+            if name.startswith("blk."):
+                layer = int(name.split(".", 2)[1])
+                self._layer_names.setdefault(layer, []).append(name)
+
+    # -- tensors ---------------------------------------------------------------------
+    def tensor(self, name: str, rows: slice | None = None) -> Tensor:
+        """One tensor (or rows of its 2-D view) dequantized to the working dtype and device."""
+        with warnings.catch_warnings():  # F32 data comes back as a read-only view of the mmap
+            warnings.filterwarnings("ignore", message=".*not writable.*")
+            t = dequantize_tensor(self.model, name, rows=rows)
+        return t.to(dtype=self.dtype, device=self.device)  # a copy unless fp32 on cpu
+
+    def has(self, name: str) -> bool:
+        return name in self.model.tensors
+
+    def global_tensor(self, name: str) -> Tensor:
+        """A small non-layer tensor (output_norm, rope_freqs), kept once read."""
+        if name not in self._globals:
+            self._globals[name] = self.tensor(name)
+        return self._globals[name]
+
+    def layer(self, i: int) -> dict[str, Tensor]:
+        """Layer i's tensors by short name ("attn_q.weight"); kept unless streaming."""
+        if i in self._layers:
+            return self._layers[i]
+        prefix = f"blk.{i}."
+        weights = {name[len(prefix):]: self.tensor(name) for name in self._layer_names.get(i, [])}
+        if not self.streaming:
+            self._layers[i] = weights
+        return weights
+
+    def release(self, i: int) -> None:
+        """Streaming: forget layer i and give its mmap pages back to the OS."""
+        if self.streaming:
+            self._layers.pop(i, None)
+            for name in self._layer_names.get(i, []):
+                self._release_pages(self.model.tensors[name])
+
+    def layer_bytes(self, i: int) -> int:
+        """Bytes of layer i in the file (quantized)."""
+        return sum(self.model.tensors[n].nbytes for n in self._layer_names.get(i, []))
+
+    # -- embedding and output head ---------------------------------------------------
+    def embed_rows(self, tokens: list[int]) -> Tensor:
+        """token_embd rows for the given tokens [T, D], reading only those rows."""
+        rows = {t: self.tensor("token_embd.weight", rows=slice(t, t + 1))[0] for t in sorted(set(tokens))}
+        if self.streaming:
+            self._release_pages(self.model.tensors["token_embd.weight"])
+        return torch.stack([rows[t] for t in tokens])
+
+    def head_chunks(self, chunk_rows: int) -> Iterator[tuple[int, Tensor]]:
+        """The output head (or tied token_embd) as (first row, [rows, D]) chunks."""
+        name = "output.weight" if self.has("output.weight") else "token_embd.weight"
+        info = self.model.tensors[name]
+        for start in range(0, info.n_rows, chunk_rows):
+            yield start, self.tensor(name, rows=slice(start, min(start + chunk_rows, info.n_rows)))
+            if self.streaming:
+                self._release_pages(info, start, min(start + chunk_rows, info.n_rows))
+
+    def _release_pages(self, info: TensorInfo, row_start: int = 0, row_stop: int | None = None) -> None:
+        mmaps = getattr(self.model, "_mmaps", None)  # the reader's read-only maps (private)
+        mm = mmaps.get(info.path) if mmaps else None
+        if mm is None or not hasattr(mm, "madvise"):
+            return
+        row_stop = info.n_rows if row_stop is None else row_stop
+        begin = info.offset + row_start * info.row_bytes
+        end = info.offset + row_stop * info.row_bytes
+        begin -= begin % _PAGE
+        if end > begin:
+            try:
+                mm.madvise(mmap.MADV_DONTNEED, begin, end - begin)
+            except (OSError, ValueError):
+                pass  # advice only
