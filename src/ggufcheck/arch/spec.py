@@ -1,0 +1,664 @@
+"""Architecture specs: one frozen, typed description of a model, built once from GGUF metadata.
+
+Every later stage (tensor tables, HF rebuild, reference model, sharding plans) reads an
+:class:`ArchSpec` instead of metadata keys. It is built at exactly one boundary,
+:func:`build_spec`, which applies the defaults of ``shared/docs/architectures.md`` (and of
+llama.cpp's loaders, cited where they decide) and checks the invariants there: head
+divisibility, MLA dims, NextN layer count, expert counts and groups, indexer layer types.
+
+A missing or inconsistent key never crashes: it becomes a :class:`Finding` that names the
+key. :func:`build_spec` returns the findings beside the spec; :func:`spec_from_metadata`
+raises :class:`SpecError` (carrying them) instead. An architecture without a spec gets a
+:class:`GenericSpec` with whatever generic keys exist, so integrity and health checks still
+run and the mapping check can SKIP with the reason.
+
+Dimension letters (used in the tensor tables' shape expressions, see :meth:`ArchSpec.dims`):
+D hidden, H query heads, Hkv kv heads, hd / hdv head dims of q.k / v, F dense FFN,
+E experts, K used, Fe expert FFN, Fs shared-expert FFN (Fe * n_shared), L kv_lora_rank,
+P qk_nope, R qk_rope, V v_head (MLA), Hi / Di indexer heads / head dim.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+import numpy as np
+
+from ggufcheck.errors import GGUFCheckError
+from ggufcheck.results import Result, failed
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ggufcheck.gguf.reader import GGUFModel
+
+SUPPORTED = ("llama", "qwen2", "qwen3", "glm4moe", "deepseek2", "glm-dsa")
+MLA_ARCHS = ("deepseek2", "glm-dsa")
+MOE_ARCHS = ("glm4moe", "deepseek2", "glm-dsa")
+NEXTN_ARCHS = ("glm4moe", "deepseek2", "glm-dsa")
+
+
+class Pairing(str, enum.Enum):
+    """Which dims RoPE rotates together (architectures.md sec 2)."""
+
+    NORM = "norm"  # ggml mode 0, interleaved: (x[2i], x[2i+1])
+    NEOX = "neox"  # (x[i], x[i + n_rot/2])
+
+
+class Gating(str, enum.Enum):
+    """Router probability function; GGUF ``expert_gating_func`` 1 / 2."""
+
+    SOFTMAX = "softmax"
+    SIGMOID = "sigmoid"
+
+
+# architectures.md sec 2 table
+PAIRING = {
+    "llama": Pairing.NORM,  # on q/k rows the converter permuted (llama.py LlamaModel.permute)
+    "qwen2": Pairing.NEOX,
+    "qwen3": Pairing.NEOX,
+    "glm4moe": Pairing.NEOX,
+    "deepseek2": Pairing.NORM,
+    "glm-dsa": Pairing.NORM,
+}
+# gating when the key is absent: llama.cpp src/models/deepseek2.cpp (softmax, for old V2
+# files), glm4-moe.cpp and glm-dsa.cpp (sigmoid)
+DEFAULT_GATING = {"deepseek2": Gating.SOFTMAX, "glm4moe": Gating.SIGMOID, "glm-dsa": Gating.SIGMOID}
+GATING_CODES = {1: Gating.SOFTMAX, 2: Gating.SIGMOID}
+# llama.cpp glm-dsa.cpp: without attention.indexer.types, a training context below 2^20 means
+# GLM-5 / 5.1 (every layer full), otherwise GLM-5.2's pattern
+GLM_5_2_CONTEXT = 1 << 20
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One missing or inconsistent metadata key."""
+
+    key: str  # the full GGUF key, e.g. "deepseek2.attention.key_length_mla"
+    problem: str
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.problem}"
+
+    def to_result(self) -> Result:
+        return failed("metadata.spec", "metadata", str(self), stats={"key": self.key})
+
+
+class SpecError(GGUFCheckError):
+    """Metadata from which no trustworthy spec can be built; carries every finding."""
+
+    def __init__(self, arch: str, findings: list[Finding]):
+        self.arch = arch
+        self.findings = list(findings)
+        lines = "; ".join(str(f) for f in self.findings)
+        super().__init__(f"{arch}: {len(self.findings)} metadata finding(s): {lines}",
+                         tip="compare the keys with the converter that wrote the file")
+
+    def results(self) -> list[Result]:
+        return [f.to_result() for f in self.findings]
+
+
+# ---------------------------------------------------------------------------------------
+# the spec
+
+
+@dataclass(frozen=True)
+class Rope:
+    """RoPE and its scaling (architectures.md sec 2)."""
+
+    base: float
+    n_rot: int  # dims rotated per head; dims at or past n_rot pass through
+    pairing: Pairing
+    head_dim: int  # the head dim rope is applied in (hd, or R for MLA)
+    scaling: str | None = None  # "yarn", "linear", ... (rope.scaling.type); None: none
+    factor: float = 1.0  # F
+    original_context: int | None = None  # L0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale_all_dim: float = 0.0  # = stored yarn_log_multiplier / 0.1 (deepseek2)
+
+    @property
+    def partial(self) -> bool:
+        return self.n_rot < self.head_dim
+
+    @property
+    def yarn(self) -> bool:
+        return self.scaling == "yarn"
+
+    @property
+    def mscale(self) -> float:
+        """YaRN softmax multiplier ``1 + 0.1 * mscale_all_dim * ln F`` (1 without YaRN)."""
+        if not self.yarn or self.factor <= 1:
+            return 1.0
+        return 1.0 + 0.1 * self.mscale_all_dim * math.log(self.factor)
+
+    def yarn_corr_dims(self) -> tuple[int, int]:
+        """YaRN ramp bounds ``(low, high)`` from beta_fast / beta_slow."""
+        l0 = self.original_context or 0
+
+        def corr(n: float) -> float:
+            return self.n_rot * math.log(l0 / (n * 2 * math.pi)) / (2 * math.log(self.base))
+
+        low = max(0, math.floor(corr(self.beta_fast)))
+        high = min(self.n_rot - 1, math.ceil(corr(self.beta_slow)))
+        return low, high
+
+
+@dataclass(frozen=True)
+class MLA:
+    """Multi-head latent attention dims (deepseek2, glm-dsa; architectures.md sec 3)."""
+
+    q_lora_rank: int | None  # None: plain attn_q (DeepSeek-V2-Lite)
+    kv_lora_rank: int  # L
+    qk_nope: int  # P
+    qk_rope: int  # R
+    v_head: int  # V
+    split_kv_b: bool = True  # False: a legacy file with one attn_kv_b (no *_length_mla keys)
+
+    @property
+    def qk_head(self) -> int:
+        return self.qk_nope + self.qk_rope
+
+
+@dataclass(frozen=True)
+class MoE:
+    """Routed and shared experts, router semantics (architectures.md sec 3, router)."""
+
+    n_expert: int  # E
+    n_used: int  # K
+    n_shared: int
+    expert_ff: int  # Fe
+    leading_dense: int  # layers below this use the dense FFN
+    gating: Gating
+    weights_norm: bool
+    weights_scale: float  # absent or 0 in the file -> 1
+    n_group: int = 1  # G
+    n_group_used: int = 1
+
+
+@dataclass(frozen=True)
+class Indexer:
+    """DeepSeek Sparse Attention indexer (glm-dsa; architectures.md sec 5)."""
+
+    n_head: int  # Hi
+    head_dim: int  # Di
+    top_k: int
+    full: tuple[bool, ...]  # per run layer: True = full (own tensors), False = shared
+    types_source: str  # "metadata", "default: GLM-5 (all full)", "default: GLM-5.2 pattern"
+
+    def is_full(self, layer: int) -> bool:
+        """A NextN layer past the listed ones counts as full (its tensors are optional)."""
+        return self.full[layer] if layer < len(self.full) else True
+
+    def source_layer(self, layer: int) -> int:
+        """The full layer whose top-k indices ``layer`` uses (itself when full)."""
+        for i in range(min(layer, len(self.full) - 1), -1, -1):
+            if self.full[i]:
+                return i
+        return layer
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """A supported architecture, fully typed. Built only by :func:`build_spec`."""
+
+    arch: str
+    n_embd: int  # D
+    n_block: int  # block_count: every blk.{i}, NextN layers included
+    n_nextn: int  # NextN / MTP layers at the end (not run)
+    n_vocab: int
+    n_head: int  # H
+    n_head_kv: int  # Hkv as stored (1 for MLA's MQA view)
+    head_dim_k: int  # hd of q.k (P + R for MLA)
+    head_dim_v: int  # hd of v (V for MLA)
+    n_ff: int  # dense FFN (F); 0 when no layer is dense
+    rms_eps: float
+    context_length: int | None
+    rope: Rope
+    mla: MLA | None = None
+    moe: MoE | None = None
+    indexer: Indexer | None = None
+    tied_output: bool | None = None  # None: tensor names were not given
+    notes: tuple[str, ...] = field(default=(), compare=False)  # defaults applied, and why
+
+    supported = True
+
+    @property
+    def n_layer(self) -> int:
+        """Layers to run: ``block_count - nextn_predict_layers``."""
+        return self.n_block - self.n_nextn
+
+    @property
+    def kq_scale(self) -> float:
+        """Softmax scale of q.k: ``mscale^2 / sqrt(head dim of q.k)`` (mscale 1 without YaRN)."""
+        return self.rope.mscale**2 / math.sqrt(self.head_dim_k)
+
+    def is_nextn_layer(self, i: int) -> bool:
+        return i >= self.n_layer
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.moe is not None and i >= self.moe.leading_dense
+
+    def dims(self) -> dict[str, int]:
+        """The dimension letters the tensor tables' shape expressions use."""
+        d = dict(D=self.n_embd, vocab=self.n_vocab, H=self.n_head, Hkv=self.n_head_kv,
+                 hd=self.head_dim_k, hdv=self.head_dim_v, F=self.n_ff, n_rot=self.rope.n_rot)
+        if self.moe is not None:
+            d.update(E=self.moe.n_expert, K=self.moe.n_used, Fe=self.moe.expert_ff,
+                     Fs=self.moe.expert_ff * self.moe.n_shared)
+        if self.mla is not None:
+            d.update(L=self.mla.kv_lora_rank, P=self.mla.qk_nope, R=self.mla.qk_rope,
+                     V=self.mla.v_head, q_lora=self.mla.q_lora_rank or 0)
+        if self.indexer is not None:
+            d.update(Hi=self.indexer.n_head, Di=self.indexer.head_dim)
+        return d
+
+
+@dataclass(frozen=True)
+class GenericSpec:
+    """An architecture ggufcheck has no spec or table for: the generic keys that exist."""
+
+    arch: str
+    reason: str
+    n_embd: int | None = None
+    n_block: int | None = None
+    n_vocab: int | None = None
+    n_head: int | None = None
+    n_head_kv: int | None = None
+    n_ff: int | None = None
+    context_length: int | None = None
+    tied_output: bool | None = None
+
+    supported = False
+
+
+# ---------------------------------------------------------------------------------------
+# reading keys
+
+
+_REQUIRED = object()
+
+
+class _Keys:
+    """Typed access to ``{arch}.*`` keys; every problem becomes a Finding naming the key."""
+
+    def __init__(self, metadata: Mapping[str, Any], arch: str):
+        self.metadata = metadata
+        self.prefix = f"{arch}."
+        self.findings: list[Finding] = []
+        self.notes: list[str] = []
+
+    def key(self, name: str) -> str:
+        return self.prefix + name
+
+    def has(self, name: str) -> bool:
+        return self.key(name) in self.metadata
+
+    def fail(self, name: str, problem: str) -> None:
+        self.findings.append(Finding(self.key(name) if not name.startswith(("general.", "tokenizer."))
+                                     else name, problem))
+
+    def _raw(self, name: str, default: Any) -> tuple[bool, Any]:
+        """(found, value); a missing required key is a finding and reads as None."""
+        key = name if name.startswith(("general.", "tokenizer.")) else self.key(name)
+        if key in self.metadata:
+            return True, self.metadata[key]
+        if default is _REQUIRED:
+            self.fail(name, "missing (required)")
+            return False, None
+        return False, default
+
+    def int(self, name: str, default: Any = _REQUIRED, minimum: int = 1) -> Any:
+        found, value = self._raw(name, default)
+        if not found:
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+            self.fail(name, f"expected an integer, found {value!r}")
+            return None
+        if value < minimum:
+            self.fail(name, f"must be >= {minimum}, found {int(value)}")
+            return None
+        return int(value)
+
+    def float(self, name: str, default: Any = _REQUIRED, positive: bool = False) -> Any:
+        found, value = self._raw(name, default)
+        if not found:
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            self.fail(name, f"expected a finite number, found {value!r}")
+            return None
+        if positive and value <= 0:
+            self.fail(name, f"must be > 0, found {value!r}")
+            return None
+        return float(value)
+
+    def bool(self, name: str, default: Any = _REQUIRED) -> Any:
+        found, value = self._raw(name, default)
+        if not found:
+            return value
+        if not isinstance(value, bool):
+            self.fail(name, f"expected a bool, found {value!r}")
+            return None
+        return value
+
+    def str(self, name: str, default: Any = _REQUIRED) -> Any:
+        found, value = self._raw(name, default)
+        if not found:
+            return value
+        if not isinstance(value, str):
+            self.fail(name, f"expected a string, found {value!r}")
+            return None
+        return value
+
+    def bool_list(self, name: str) -> tuple[bool, ...] | None:
+        found, value = self._raw(name, None)
+        if not found:
+            return None
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, bool) for v in value):
+            self.fail(name, f"expected an array of bools, found {type(value).__name__}")
+            return None
+        return tuple(value)
+
+
+def _check(keys: _Keys, ok: bool, name: str, problem: str) -> bool:
+    if not ok:
+        keys.fail(name, problem)
+    return ok
+
+
+# ---------------------------------------------------------------------------------------
+# the builder
+
+
+def build_spec(metadata: Mapping[str, Any], tensor_names: Iterable[str] | None = None
+               ) -> tuple[ArchSpec | GenericSpec | None, list[Finding]]:
+    """The spec of a model from its metadata, and every finding about the keys.
+
+    Returns ``(spec, [])`` when all is consistent; ``(None, findings)`` when a supported
+    architecture's keys are missing or inconsistent; ``(GenericSpec, [])`` for an
+    architecture without a spec (never a finding: it is not the file's fault). Tensor
+    names, when given, decide ``tied_output`` (no ``output.weight``).
+    """
+    names = set(tensor_names) if tensor_names is not None else None
+    tied = None if names is None else "output.weight" not in names
+    arch = metadata.get("general.architecture")
+    if not isinstance(arch, str) or not arch:
+        return None, [Finding("general.architecture", f"missing or not a string: {arch!r}")]
+    if arch not in SUPPORTED:
+        return _generic(metadata, arch, tied), []
+    keys = _Keys(metadata, arch)
+    spec = _build(keys, arch, tied)
+    if keys.findings or spec is None:
+        return None, keys.findings or [Finding(f"{arch}.*", "inconsistent metadata")]
+    return spec, []
+
+
+def spec_from_metadata(metadata: Mapping[str, Any], tensor_names: Iterable[str] | None = None
+                       ) -> ArchSpec | GenericSpec:
+    """As :func:`build_spec`, but raises :class:`SpecError` carrying the findings."""
+    spec, findings = build_spec(metadata, tensor_names)
+    if findings or spec is None:
+        raise SpecError(str(metadata.get("general.architecture", "?")), findings)
+    return spec
+
+
+def spec_for_model(model: "GGUFModel") -> tuple[ArchSpec | GenericSpec | None, list[Finding]]:
+    """:func:`build_spec` on an open GGUF's metadata and tensor names."""
+    return build_spec(model.metadata, model.tensors.keys())
+
+
+def spec_results(spec: ArchSpec | GenericSpec | None, findings: list[Finding]) -> list[Result]:
+    """The ``metadata`` component's Results for a built spec (one per finding, or one PASS/SKIP)."""
+    from ggufcheck.results import passed, skipped
+
+    if findings:
+        return [f.to_result() for f in findings]
+    if spec is None or not spec.supported:
+        arch = spec.arch if spec is not None else "?"
+        reason = spec.reason if isinstance(spec, GenericSpec) else "no spec"
+        return [skipped("metadata.spec", "metadata", f"no spec for architecture {arch!r}: {reason}")]
+    note = f" ({'; '.join(spec.notes)})" if spec.notes else ""
+    return [passed("metadata.spec", "metadata",
+                   f"{spec.arch}: {spec.n_layer} layers (+{spec.n_nextn} NextN), D {spec.n_embd}, "
+                   f"H {spec.n_head}/{spec.n_head_kv}, vocab {spec.n_vocab}{note}")]
+
+
+def _generic(metadata: Mapping[str, Any], arch: str, tied: bool | None) -> GenericSpec:
+    def num(name: str) -> int | None:
+        v = metadata.get(f"{arch}.{name}")
+        return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v == int(v) else None
+
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    head_kv = metadata.get(f"{arch}.attention.head_count_kv")
+    return GenericSpec(
+        arch=arch, reason=f"ggufcheck has no spec or tensor table for architecture {arch!r} "
+        f"(supported: {', '.join(SUPPORTED)})",
+        n_embd=num("embedding_length"), n_block=num("block_count"),
+        n_vocab=num("vocab_size") or (len(tokens) if isinstance(tokens, list) else None),
+        n_head=num("attention.head_count"),
+        n_head_kv=num("attention.head_count_kv") if not isinstance(head_kv, list) else None,
+        n_ff=num("feed_forward_length"), context_length=num("context_length"), tied_output=tied)
+
+
+def _vocab(keys: _Keys) -> int | None:
+    if keys.has("vocab_size"):
+        return keys.int("vocab_size")
+    tokens = keys.metadata.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, (list, tuple)) and tokens:
+        keys.notes.append("vocab from the tokenizer.ggml.tokens count")
+        return len(tokens)
+    keys.fail("vocab_size", "missing, and no tokenizer.ggml.tokens to count")
+    return None
+
+
+def _build(keys: _Keys, arch: str, tied: bool | None) -> ArchSpec | None:
+    n_embd = keys.int("embedding_length")
+    n_block = keys.int("block_count")
+    n_head = keys.int("attention.head_count")
+    n_head_kv = keys.int("attention.head_count_kv", n_head)
+    n_vocab = _vocab(keys)
+    rms_eps = keys.float("attention.layer_norm_rms_epsilon", positive=True)
+    context = keys.int("context_length", None)
+    n_nextn = keys.int("nextn_predict_layers", 0, minimum=0) if arch in NEXTN_ARCHS else 0
+    if None in (n_embd, n_block, n_head, n_head_kv, n_vocab, rms_eps, n_nextn):
+        return None
+    _check(keys, n_nextn < n_block, "nextn_predict_layers",
+           f"{n_nextn} NextN layers leave no layer to run (block_count {n_block})")
+    if arch in MLA_ARCHS:
+        return _build_mla(keys, arch, n_embd, n_block, n_nextn, n_head, n_head_kv, n_vocab,
+                          rms_eps, context, tied)
+    return _build_gqa(keys, arch, n_embd, n_block, n_nextn, n_head, n_head_kv, n_vocab,
+                      rms_eps, context, tied)
+
+
+def _build_gqa(keys: _Keys, arch: str, n_embd: int, n_block: int, n_nextn: int, n_head: int,
+               n_head_kv: int, n_vocab: int, rms_eps: float, context: int | None,
+               tied: bool | None) -> ArchSpec | None:
+    """llama, qwen2, qwen3, glm4moe: grouped-query attention."""
+    _check(keys, n_head % n_head_kv == 0, "attention.head_count_kv",
+           f"{n_head_kv} kv heads do not divide {n_head} query heads")
+    if not keys.has("attention.key_length"):
+        if not _check(keys, n_embd % n_head == 0, "attention.key_length",
+                      f"missing, and embedding_length {n_embd} is not a multiple of {n_head} heads"):
+            return None
+    head_k = keys.int("attention.key_length", n_embd // n_head)
+    head_v = keys.int("attention.value_length", head_k)
+    if head_k is None or head_v is None:
+        return None
+    rope = _rope(keys, arch, head_dim=head_k, n_rot_default=head_k)
+    moe = _moe(keys, arch, n_block) if arch in MOE_ARCHS else None
+    n_ff = keys.int("feed_forward_length", 0 if moe is not None else _REQUIRED, minimum=0)
+    if rope is None or n_ff is None or (arch in MOE_ARCHS and moe is None):
+        return None
+    _check(keys, moe is None or moe.leading_dense == 0 or n_ff > 0, "feed_forward_length",
+           "missing or 0, but leading dense layers need it")
+    return ArchSpec(arch=arch, n_embd=n_embd, n_block=n_block, n_nextn=n_nextn,
+                    n_vocab=n_vocab, n_head=n_head, n_head_kv=n_head_kv, head_dim_k=head_k,
+                    head_dim_v=head_v, n_ff=n_ff, rms_eps=rms_eps, context_length=context,
+                    rope=rope, moe=moe, tied_output=tied, notes=tuple(keys.notes))
+
+
+def _build_mla(keys: _Keys, arch: str, n_embd: int, n_block: int, n_nextn: int, n_head: int,
+               n_head_kv: int, n_vocab: int, rms_eps: float, context: int | None,
+               tied: bool | None) -> ArchSpec | None:
+    """deepseek2, glm-dsa: MLA attention (+ MoE, + the DSA indexer for glm-dsa)."""
+    mla = _mla(keys, arch, n_head_kv)
+    moe = _moe(keys, arch, n_block) if keys.has("expert_count") or arch == "glm-dsa" else None
+    if mla is None or (arch == "glm-dsa" and moe is None):
+        return None
+    if moe is None:  # a deepseek2 without experts (llama.cpp: every layer dense)
+        keys.notes.append("no expert_count: every layer uses the dense FFN")
+    n_ff = keys.int("feed_forward_length", _REQUIRED if moe is None or moe.leading_dense else 0,
+                    minimum=0)
+    rope = _rope(keys, arch, head_dim=mla.qk_rope, n_rot_default=mla.qk_rope)
+    indexer = _indexer(keys, n_block - n_nextn, context, rope) if arch == "glm-dsa" else None
+    if n_ff is None or rope is None or (arch == "glm-dsa" and indexer is None):
+        return None
+    _check(keys, rope.n_rot == mla.qk_rope, "rope.dimension_count",
+           f"{rope.n_rot} != qk_rope {mla.qk_rope}")
+    return ArchSpec(arch=arch, n_embd=n_embd, n_block=n_block, n_nextn=n_nextn,
+                    n_vocab=n_vocab, n_head=n_head, n_head_kv=n_head_kv,
+                    head_dim_k=mla.qk_head, head_dim_v=mla.v_head, n_ff=n_ff, rms_eps=rms_eps,
+                    context_length=context, rope=rope, mla=mla, moe=moe, indexer=indexer,
+                    tied_output=tied, notes=tuple(keys.notes))
+
+
+def _rope(keys: _Keys, arch: str, head_dim: int, n_rot_default: int) -> Rope | None:
+    base = keys.float("rope.freq_base", 10000.0, positive=True)
+    n_rot = keys.int("rope.dimension_count", n_rot_default if arch not in MLA_ARCHS else _REQUIRED)
+    scaling = keys.str("rope.scaling.type", None)
+    if base is None or n_rot is None:
+        return None
+    ok = _check(keys, n_rot % 2 == 0, "rope.dimension_count", f"{n_rot} is odd")
+    ok &= _check(keys, n_rot <= head_dim, "rope.dimension_count",
+                 f"{n_rot} rotated dims exceed the head dim {head_dim}")
+    if scaling in (None, "none"):
+        return Rope(base, n_rot, PAIRING[arch], head_dim) if ok else None
+    factor = keys.float("rope.scaling.factor", positive=True)
+    original = keys.int("rope.scaling.original_context_length", None)
+    if scaling == "yarn" and original is None:
+        original = keys.int("context_length", None)
+        keys.notes.append("YaRN original context missing: llama.cpp falls back to context_length, "
+                          "which moves the correction dims")
+        ok &= _check(keys, original is not None, "rope.scaling.original_context_length",
+                     "missing, and no context_length to fall back to")
+    log_mul = keys.float("rope.scaling.yarn_log_multiplier", 0.0)
+    beta_fast = keys.float("rope.scaling.yarn_beta_fast", 32.0)
+    beta_slow = keys.float("rope.scaling.yarn_beta_slow", 1.0)
+    if None in (factor, log_mul, beta_fast, beta_slow) or not ok:
+        return None
+    if scaling == "yarn" and arch != "deepseek2":
+        keys.notes.append(f"YaRN on {arch}: only deepseek2's YaRN semantics are modeled")
+    # deepseek2's converter stores 0.1 * mscale_all_dim (TAG_DEEPSEEK2_YARN_LOG_MUL_FIX);
+    # llama.cpp divides by 0.1f in float32, which gives back e.g. exactly 1.0
+    mscale_all_dim = float(np.float32(log_mul) / np.float32(0.1))
+    return Rope(base, n_rot, PAIRING[arch], head_dim, scaling=scaling, factor=factor,
+                original_context=original, beta_fast=beta_fast, beta_slow=beta_slow,
+                mscale_all_dim=mscale_all_dim)
+
+
+def _mla(keys: _Keys, arch: str, n_head_kv: int) -> MLA | None:
+    q_lora = keys.int("attention.q_lora_rank", None if arch == "deepseek2" else _REQUIRED)
+    kv_lora = keys.int("attention.kv_lora_rank")
+    n_rot = keys.int("rope.dimension_count")
+    split = keys.has("attention.key_length_mla") or keys.has("attention.value_length_mla")
+    if split:  # the MLA files: *_length_mla = P+R and V; *_length the MQA view L+R and L
+        k_mla = keys.int("attention.key_length_mla")
+        v_mla = keys.int("attention.value_length_mla")
+        k_mqa = keys.int("attention.key_length", None)
+        v_mqa = keys.int("attention.value_length", None)
+        if None in (kv_lora, n_rot, k_mla, v_mla):
+            return None
+        _check(keys, k_mqa is None or k_mqa == kv_lora + n_rot, "attention.key_length",
+               f"MQA view {k_mqa} != kv_lora_rank + rope dims = {kv_lora + n_rot}")
+        _check(keys, v_mqa is None or v_mqa == kv_lora, "attention.value_length",
+               f"MQA view {v_mqa} != kv_lora_rank {kv_lora}")
+        _check(keys, n_head_kv == 1, "attention.head_count_kv",
+               f"MLA files store the MQA view with 1 kv head, found {n_head_kv}")
+    else:  # legacy deepseek2 files: attn_kv_b unsplit, *_length = P+R and V (MHA view)
+        if arch == "glm-dsa":  # llama.cpp glm-dsa.cpp: "GLM_DSA architecture requires MLA"
+            keys.fail("attention.key_length_mla", "missing: glm-dsa requires the split MLA layout")
+            return None
+        k_mla = keys.int("attention.key_length")
+        v_mla = keys.int("attention.value_length")
+        if None in (kv_lora, n_rot, k_mla, v_mla):
+            return None
+        keys.notes.append("legacy MLA layout: one attn_kv_b per layer")
+    if not _check(keys, k_mla > n_rot, "attention.key_length_mla" if split else "attention.key_length",
+                  f"{k_mla} leaves no nope dims after {n_rot} rope dims (must be P + R, P > 0)"):
+        return None
+    return MLA(q_lora_rank=q_lora, kv_lora_rank=kv_lora, qk_nope=k_mla - n_rot, qk_rope=n_rot,
+               v_head=v_mla, split_kv_b=split)
+
+
+def _moe(keys: _Keys, arch: str, n_block: int) -> MoE | None:
+    n_expert = keys.int("expert_count")
+    n_used = keys.int("expert_used_count")
+    n_shared = keys.int("expert_shared_count", 0 if arch == "glm4moe" else _REQUIRED, minimum=0)
+    expert_ff = keys.int("expert_feed_forward_length")
+    dense = keys.int("leading_dense_block_count", 0, minimum=0)
+    code = keys.int("expert_gating_func", None, minimum=0)
+    norm = keys.bool("expert_weights_norm", False)
+    scale = keys.float("expert_weights_scale", 0.0)
+    n_group = keys.int("expert_group_count", 1)
+    n_group_used = keys.int("expert_group_used_count", 1)
+    if None in (n_expert, n_used, n_shared, expert_ff, dense, norm, scale, n_group, n_group_used):
+        return None
+    if code in (None, 0):  # 0 = LLAMA_EXPERT_GATING_FUNC_TYPE_NONE: the loader's default
+        gating = DEFAULT_GATING[arch]
+        keys.notes.append(f"expert_gating_func absent: {gating.value} (the {arch} default)")
+    elif code in GATING_CODES:
+        gating = GATING_CODES[code]
+    else:
+        keys.fail("expert_gating_func", f"unsupported gating function {code} (1 softmax, 2 sigmoid)")
+        return None
+    ok = _check(keys, n_used <= n_expert, "expert_used_count",
+                f"{n_used} used experts > {n_expert} experts")
+    ok &= _check(keys, n_expert % n_group == 0, "expert_group_count",
+                 f"{n_group} groups do not divide {n_expert} experts")
+    ok &= _check(keys, n_group_used <= n_group, "expert_group_used_count",
+                 f"{n_group_used} used groups > {n_group} groups")
+    if ok:
+        ok &= _check(keys, n_used <= n_expert // n_group * n_group_used, "expert_used_count",
+                     f"{n_used} used experts > the {n_expert // n_group * n_group_used} experts "
+                     f"in {n_group_used} of {n_group} groups")
+    ok &= _check(keys, dense <= n_block, "leading_dense_block_count",
+                 f"{dense} dense layers > block_count {n_block}")
+    if not ok:
+        return None
+    return MoE(n_expert=n_expert, n_used=n_used, n_shared=n_shared, expert_ff=expert_ff,
+               leading_dense=dense, gating=gating, weights_norm=norm,
+               weights_scale=scale if scale != 0.0 else 1.0, n_group=n_group,
+               n_group_used=n_group_used)
+
+
+def _indexer(keys: _Keys, n_layer: int, context: int | None, rope: Rope) -> Indexer | None:
+    n_head = keys.int("attention.indexer.head_count")
+    head_dim = keys.int("attention.indexer.key_length")
+    top_k = keys.int("attention.indexer.top_k")
+    types = keys.bool_list("attention.indexer.types")  # not in gguf 0.19's constants: raw key
+    if None in (n_head, head_dim, top_k):
+        return None
+    # llama.cpp glm-dsa.cpp: GGML_ASSERT(n_rot <= indexer head size)
+    if not _check(keys, rope.n_rot <= head_dim, "attention.indexer.key_length",
+                  f"{head_dim} < {rope.n_rot} rope dims"):
+        return None
+    if types is not None:
+        source = "metadata"
+        # llama.cpp reads it with get_key_or_arr(..., n_layer()): one entry per run layer
+        if not _check(keys, len(types) == n_layer, "attention.indexer.types",
+                      f"{len(types)} entries, expected one per run layer ({n_layer})"):
+            return None
+    elif context is not None and context >= GLM_5_2_CONTEXT:
+        source = "default: GLM-5.2 pattern (context >= 2^20)"
+        types = tuple(max(i - 2, 0) % 4 == 0 for i in range(n_layer))
+    else:
+        source = "default: GLM-5/5.1 (every layer full)"
+        types = (True,) * n_layer
+    if not _check(keys, not types or types[0], "attention.indexer.types",
+                  "layer 0 is shared, but a shared layer needs an earlier full layer"):
+        return None
+    if source != "metadata":
+        keys.notes.append(f"indexer types {source}")
+    return Indexer(n_head=n_head, head_dim=head_dim, top_k=top_k, full=types, types_source=source)
