@@ -58,3 +58,4 @@ class LayerOutput:
     expert_weights: Tensor | None = None  # [T, K] final weights (normed, scaled)
     topk: Tensor | None = None  # [T, k] int64 key indices chosen by the DSA indexer; -1 = none
     topk_full: bool = False  # True when this layer ran its own indexer (False: shared)
+    topk_ties: Tensor | None = None  # [T] bool: the top-k boundary was a tie (set ambiguous)

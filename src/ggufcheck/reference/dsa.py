@@ -54,6 +54,16 @@ def select_top_k(scores: Tensor, top_k: int) -> Tensor:
     return best.indices.masked_fill(torch.isinf(best.values), -1)
 
 
+def boundary_ties(scores: Tensor, top_k: int) -> Tensor:
+    """[T] bool: the k-th and (k+1)-th best finite scores are EQUAL, so the top-k set is
+    ambiguous and a correct engine may pick another one (ReLU makes exact-zero ties common
+    when few heads are positive; see docs/reference-verification.md)."""
+    if scores.shape[-1] <= top_k:
+        return torch.zeros(scores.shape[0], dtype=torch.bool, device=scores.device)
+    best = scores.topk(top_k + 1, dim=-1).values  # [T, k+1]
+    return (best[:, -1] == best[:, -2]) & torch.isfinite(best[:, -1])
+
+
 def top_k_mask(indices: Tensor, n_keys: int) -> Tensor:
     """[T, k] key indices (-1 = none) -> [T, S] bool, True at the chosen keys."""
     mask = torch.zeros(indices.shape[0], n_keys + 1, dtype=torch.bool, device=indices.device)
@@ -67,14 +77,16 @@ def indexer_top_k(
 ) -> tuple[Tensor, bool]:
     """This layer's top-k [T, k] and whether it ran its own indexer (full) or reused one (shared).
 
-    ``shared["topk"]`` carries the latest full layer's indices to the following shared layers.
+    ``shared["topk"]`` carries the latest full layer's indices to the following shared layers,
+    ``shared["ties"]`` [T] whether that choice was ambiguous (:func:`boundary_ties`).
     """
     if cfg.indexer_full[i]:
         if qr is None:
             raise ValueError("the DSA indexer needs q_lora (attn_q_a)")
-        indices = select_top_k(index_scores(cfg, w, x, qr, rope, q_pos, k_pos, cache), cfg.indexer_top_k)
-        shared["topk"] = indices
-        return indices, True
+        scores = index_scores(cfg, w, x, qr, rope, q_pos, k_pos, cache)
+        shared["topk"] = select_top_k(scores, cfg.indexer_top_k)
+        shared["ties"] = boundary_ties(scores, cfg.indexer_top_k)
+        return shared["topk"], True
     if "topk" not in shared:
         raise ValueError(f"layer {i} is a shared indexer layer but no earlier full layer ran")
     return shared["topk"], False
