@@ -1,0 +1,303 @@
+"""Numeric TP invariance: each layer kind sharded over N ranks == the same layer unsharded.
+
+On the file's real dequantized weights (fp64) and one fixed random input per kind, the
+unsharded side is the reference (``ggufcheck.reference``: dense / mla / dsa / layers), the
+sharded side :mod:`ggufcheck.sharding.parallel` run by N processes
+(:mod:`ggufcheck.sharding.dist`). All kinds and the collectives self-test share ONE run
+(process start-up is the cost). Per kind the Result names the worst rank and element.
+
+Tolerance (declared here, style principle 8): in fp64 the two sides differ only by the
+order of summation (partial sums per rank, then the all-reduce), so
+``max|sharded - unsharded| <= RTOL * max(1, max|unsharded|)`` with RTOL = 1e-9: a
+thousand times the worst rounding of a 10^4-term fp64 sum, and a billion times smaller than
+any real sharding error (those are O(1) relative). The indexer's top-k must be identical
+as sets per query.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ggufcheck.reference import dense, dsa
+from ggufcheck.reference import mla as ref_mla
+from ggufcheck.reference.cache import LayerCache
+from ggufcheck.reference.config import ReferenceConfig
+from ggufcheck.reference.layers import causal_mask, linear, moe_block, rms_norm, swiglu
+from ggufcheck.results import Result, errored, failed, passed, skipped
+from ggufcheck.sharding import collectives
+from ggufcheck.sharding.dist import DistOptions, LocalContext, RanksFailed, resolve_backend, run_ranks
+from ggufcheck.sharding.mla import VLLM_LAYOUT, KvBLayout
+from ggufcheck.sharding.parallel import LayerJob, RunPayload, rank_run, rope_tables, run_job
+from ggufcheck.sharding.plan import kind_problems
+from ggufcheck.sharding.rules import Loader, pad_vocab, shard
+
+COMPONENT = "sharding"
+RTOL = 1e-9
+START_POS = 37  # positions far from 0: at position 0 every rope is the identity
+
+
+@dataclass
+class InvarianceOptions:
+    tp: int
+    backend: str = "auto"
+    timeout_s: float = 180.0
+    tokens: int = 6  # more for the indexer: top_k + 4
+    seed: int = 0
+    loader: Loader = shard
+    kv_layout: KvBLayout = VLLM_LAYOUT
+    kinds: tuple[str, ...] | None = None  # None: every kind the model has
+    collectives: bool = True
+    max_layer_elements: int = 400_000_000  # skip a kind whose fp64 weights would exceed ~3 GiB
+    skipped: list[Result] = field(default_factory=list)
+
+
+# --- building the jobs ----------------------------------------------------------------------
+
+
+def make_jobs(cfg: ReferenceConfig, layer_weights: Any, opts: InvarianceOptions) -> list[LayerJob]:
+    """One job per layer kind the model has. ``layer_weights(layer | None, prefixes)`` returns
+    fp64 full tensors by short name (layer None: the global tensors)."""
+    gen = torch.Generator().manual_seed(opts.seed)
+    n_tok = max(opts.tokens, cfg.indexer_top_k + 4 if cfg.has_indexer else 0)
+    pos = torch.arange(START_POS, START_POS + n_tok)
+    x = torch.randn(n_tok, cfg.n_embd, generator=gen, dtype=torch.float64)
+    wanted = opts.kinds
+    jobs: list[LayerJob] = []
+
+    def want(kind: str) -> bool:
+        return wanted is None or kind in wanted
+
+    attn_names = ("attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm", "rope_freqs") if not cfg.is_mla \
+        else ("attn_q_a", "attn_q_a_norm", "attn_q_b", "attn_q.", "attn_kv_a_mqa", "attn_kv_a_norm", "attn_k_b",
+              "attn_v_b", "attn_kv_b", "attn_output")
+    kind = "mla" if cfg.is_mla else "attention"
+    if want(kind):
+        w = layer_weights(0, attn_names)
+        jobs.append(LayerJob(kind, 0, w, {"x": x, "pos": pos}, tensor="blk.0.attn_output.weight"))
+    dense_layer = 0 if (not cfg.n_expert or cfg.n_dense_lead > 0) else None
+    if want("dense_ffn") and dense_layer is not None:
+        w = layer_weights(dense_layer, ("ffn_gate.", "ffn_up.", "ffn_down."))
+        if w:
+            jobs.append(LayerJob("dense_ffn", dense_layer, w, {"x": x, "pos": pos},
+                                 tensor=f"blk.{dense_layer}.ffn_down.weight"))
+    if want("moe") and cfg.n_expert and cfg.n_dense_lead < cfg.n_layer:
+        moe_layer = cfg.n_dense_lead
+        w = layer_weights(moe_layer, ("ffn_gate_inp", "exp_probs_b", "ffn_gate_exps", "ffn_up_exps",
+                                      "ffn_gate_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_up_shexp",
+                                      "ffn_down_shexp"))
+        jobs.append(LayerJob("moe", moe_layer, w, {"x": x, "pos": pos}, tensor=f"blk.{moe_layer}.ffn_down_exps.weight"))
+    if want("indexer") and cfg.has_indexer:
+        w = layer_weights(0, ("indexer.", "attn_q_a", "rope_freqs"))
+        if "indexer.attn_k.weight" in w:
+            qr = rms_norm(linear(x, w.pop("attn_q_a.weight")), w.pop("attn_q_a_norm.weight"), cfg.lora_norm_eps)
+            jobs.append(LayerJob("indexer", 0, w, {"x": x, "qr": qr, "pos": pos}, tensor="blk.0.indexer.attn_k.weight"))
+    globals_ = layer_weights(None, ("token_embd", "output."))
+    vocab = globals_["token_embd.weight"].shape[0]
+    if want("embedding"):
+        ids = _vocab_probe_ids(vocab, opts.tp, gen)
+        jobs.append(LayerJob("embedding", None, {"token_embd.weight": globals_["token_embd.weight"]},
+                             {"ids": ids, "pos": pos}, tensor="token_embd.weight"))
+    if want("lm_head"):
+        name = "output.weight" if "output.weight" in globals_ else "token_embd.weight"
+        jobs.append(LayerJob("lm_head", None, {name: globals_[name]}, {"x": x, "pos": pos}, tensor=name))
+    return jobs
+
+
+def _vocab_probe_ids(vocab: int, tp: int, gen: torch.Generator) -> Tensor:
+    """Ids at both edges of every rank's vocab range, plus a few random ones: [N] int64."""
+    per = pad_vocab(vocab) // tp if pad_vocab(vocab) % tp == 0 else max(1, vocab // tp)
+    edges = {0, vocab - 1}
+    for r in range(1, tp):
+        edges.update(i for i in (r * per - 1, r * per) if 0 <= i < vocab)
+    edges.update(torch.randint(0, vocab, (8,), generator=gen).tolist())
+    return torch.tensor(sorted(edges), dtype=torch.int64)
+
+
+def gguf_layer_weights(model: Any, dtype: torch.dtype = torch.float64) -> Any:
+    """``layer_weights(layer, prefixes)`` over an open GGUF: dequantized full tensors by short
+    name (``blk.{layer}.`` removed; layer None = global tensors; ``rope_freqs`` is global)."""
+    from ggufcheck.gguf.dequant import dequantize_tensor
+
+    def layer_weights(layer: int | None, prefixes: tuple[str, ...]) -> dict[str, Tensor]:
+        out = {}
+        head = f"blk.{layer}." if layer is not None else ""
+        for name in model.tensors:
+            if layer is not None and name.startswith("rope_freqs") and "rope_freqs" in prefixes:
+                out[name] = dequantize_tensor(model, name, dtype=dtype)
+                continue
+            if layer is None and name.startswith("blk."):
+                continue
+            if not name.startswith(head):
+                continue
+            short = name[len(head):]
+            if short.startswith(prefixes):
+                out[short] = dequantize_tensor(model, name, dtype=dtype)
+        return out
+
+    return layer_weights
+
+
+# --- the unsharded side ---------------------------------------------------------------------
+
+
+def unsharded(cfg: ReferenceConfig, job: LayerJob) -> dict[str, Tensor]:
+    """The reference's output of ``job`` on the full weights."""
+    w, inp = job.weights, job.inputs
+    pos = inp["pos"]
+    if job.kind in ("attention", "mla", "indexer"):
+        rope = rope_tables(cfg, w, pos)
+    if job.kind == "attention":
+        return {"out": dense.self_attention(cfg, w, inp["x"], rope, pos, pos, LayerCache())}
+    if job.kind == "mla":
+        _, q_nope, q_pe = ref_mla.project_q(cfg, w, inp["x"])
+        return {"out": ref_mla.mla_attention(cfg, w, inp["x"], q_nope, q_pe, rope, causal_mask(pos, pos), LayerCache())}
+    if job.kind == "dense_ffn":
+        return {"out": swiglu(inp["x"], w["ffn_gate.weight"], w["ffn_up.weight"], w["ffn_down.weight"])}
+    if job.kind == "moe":
+        return {"out": moe_block(cfg, w, inp["x"])[0]}
+    if job.kind == "embedding":
+        return {"out": w["token_embd.weight"][inp["ids"]]}
+    if job.kind == "lm_head":
+        (weight,) = w.values()
+        return {"out": linear(inp["x"], weight)}
+    if job.kind == "indexer":
+        scores = dsa.index_scores(cfg, w, inp["x"], inp["qr"], rope, pos, pos, LayerCache())
+        return {"out": scores, "topk": dsa.select_top_k(scores, cfg.indexer_top_k)}
+    raise ValueError(f"unknown layer kind {job.kind!r}")
+
+
+# --- comparing ------------------------------------------------------------------------------
+
+
+def _partial_diffs(cfg: ReferenceConfig, job: LayerJob, per_rank: list[dict[str, Any]], tp: int) -> list[float]:
+    """Per rank: how far its collective inputs are from those of a known-good loader."""
+    good = RunPayload(cfg, [job], shard, VLLM_LAYOUT, collectives=False)
+    out = []
+    for r, got in enumerate(per_rank):
+        want = run_job(LocalContext(r, tp, "local", torch.device("cpu")), good, job)["partials"]
+        diffs = [float((a - b).abs().max()) if a.shape == b.shape else float("inf")
+                 for a, b in zip(got.get("partials", []), want)]
+        out.append(max(diffs, default=0.0) if len(want) == len(got.get("partials", [])) else float("inf"))
+    return out
+
+
+def compare(cfg: ReferenceConfig, job: LayerJob, want: dict[str, Tensor], per_rank: list[dict[str, Any]],
+            tp: int, backend: str) -> list[Result]:
+    """Sharded vs unsharded for one job: worst rank and element; padding and top-k extras."""
+    kind = job.kind
+    check = f"sharding.tp.{kind}"
+    where = dict(tensor=job.tensor or None, layer=job.layer)
+    errors = [(r, o["error"]) for r, o in enumerate(per_rank) if "error" in o]
+    if errors:
+        rank, msg = errors[0]
+        return [errored(check, COMPONENT, f"rank {rank} raised while running {kind} at TP {tp}: {msg}",
+                        stats={"tp": tp, "traceback": per_rank[rank].get("traceback", "")[-2000:]}, **where)]
+    ref = want["out"]
+    finite = torch.isfinite(ref)
+    scale = max(1.0, float(ref[finite].abs().max())) if bool(finite.any()) else 1.0
+    worst_rank, worst_diff, worst_idx = 0, -1.0, None
+    for r, o in enumerate(per_rank):
+        got = o["out"]
+        if got.shape != ref.shape:
+            return [failed(check, COMPONENT, f"rank {r} output shape {tuple(got.shape)} != unsharded {tuple(ref.shape)}",
+                           stats={"tp": tp}, worst={"rank": r}, **where)]
+        both_inf = (~finite) & (got == ref)  # masked scores are -inf on both sides
+        diff = torch.where(both_inf, torch.zeros_like(ref), (got - ref).abs()).nan_to_num(nan=float("inf"))
+        d = float(diff.max()) if diff.numel() else 0.0
+        if d > worst_diff:
+            worst_rank, worst_diff = r, d
+            worst_idx = list(torch.unravel_index(diff.argmax(), diff.shape)) if diff.numel() else []
+    tol = RTOL * scale
+    idx = tuple(int(i) for i in worst_idx or [])
+    worst = {"rank": worst_rank, "element": list(idx), "abs_diff": worst_diff}
+    if idx:
+        worst.update(sharded=float(per_rank[worst_rank]["out"][idx]), unsharded=float(ref[idx]))
+    if worst_diff > tol:  # after an all-reduce every rank holds the same wrong sum: find who made it
+        partial_diff = _partial_diffs(cfg, job, per_rank, tp)
+        bad_ranks = [r for r, d in enumerate(partial_diff) if d > tol]
+        worst.update(partial_max_abs_diff_by_rank=partial_diff, ranks_with_wrong_partials=bad_ranks)
+        if bad_ranks:
+            worst["rank"] = max(bad_ranks, key=lambda r: partial_diff[r])
+    stats = {"tp": tp, "backend": backend, "max_abs_diff": worst_diff, "tolerance": tol, "scale": scale,
+             "shape": list(ref.shape)}
+    what = f"{kind} sharded over {tp} rank(s) vs unsharded"
+    results = []
+    if worst_diff <= tol:
+        results.append(passed(check, COMPONENT, f"{what}: max |diff| {worst_diff:.3g} <= {tol:.3g}",
+                              stats=stats, worst=worst, **where))
+    else:
+        results.append(failed(check, COMPONENT,
+                              f"{what}: max |diff| {worst_diff:.3g} > {tol:.3g} at element {list(idx)}; "
+                              + (f"wrong partial results on rank(s) {worst['ranks_with_wrong_partials']}, worst rank "
+                                 f"{worst['rank']}" if worst.get("ranks_with_wrong_partials") else
+                                 f"every rank's partial is right: the collective or the combination is wrong"),
+                              stats=stats, worst=worst, **where))
+    if "padding_max" in per_rank[0]:
+        n_pad = pad_vocab(next(iter(job.weights.values())).shape[0]) - next(iter(job.weights.values())).shape[0]
+        pad = [float(o["padding_max"].max()) for o in per_rank]
+        bad = [r for r, p in enumerate(pad) if p != 0]
+        c = f"sharding.vocab.padding_zero.{kind}"
+        if bad:
+            results.append(failed(c, COMPONENT, f"{kind}: vocab padding rows are not zero on rank(s) {bad}",
+                                  stats={"tp": tp, "padding_max_by_rank": pad}, **where))
+        else:
+            results.append(passed(c, COMPONENT, f"{kind}: the {n_pad} vocab padding row(s) are zero on every rank"
+                                  if n_pad else f"{kind}: vocabulary needs no padding rows at TP {tp}",
+                                  stats={"tp": tp, "padding_rows": n_pad}, **where))
+    if "topk" in want:
+        results.append(_compare_topk(job, want["topk"], per_rank, tp, **where))
+    return results
+
+
+def _compare_topk(job: LayerJob, want: Tensor, per_rank: list[dict[str, Any]], tp: int, **where: Any) -> Result:
+    check = "sharding.tp.indexer_topk"
+    for r, o in enumerate(per_rank):
+        for t in range(want.shape[0]):
+            a = set(want[t].tolist()) - {-1}
+            b = set(o["topk"][t].tolist()) - {-1}
+            if a != b:
+                return failed(check, COMPONENT, f"indexer top-k differs on rank {r} at query {t}",
+                              stats={"tp": tp, "missing": sorted(a - b), "extra": sorted(b - a)},
+                              worst={"rank": r, "query": t}, **where)
+    return passed(check, COMPONENT, f"indexer top-k identical on all {tp} rank(s) for {want.shape[0]} queries",
+                  stats={"tp": tp, "top_k": int(want.shape[1])}, **where)
+
+
+# --- the run --------------------------------------------------------------------------------
+
+
+def run_invariance(cfg: ReferenceConfig, jobs: list[LayerJob], opts: InvarianceOptions) -> list[Result]:
+    """Run every runnable job sharded (one process group), compare each with the reference."""
+    results: list[Result] = list(opts.skipped)
+    runnable = []
+    for job in jobs:
+        problems = kind_problems(cfg, {n: tuple(t.shape) for n, t in job.weights.items()}, opts.tp)
+        n_el = sum(t.numel() for t in job.weights.values())
+        if problems:
+            results.append(skipped(f"sharding.tp.{job.kind}", COMPONENT,
+                                   f"not run at TP {opts.tp}: {problems[0]} (the plan reports it)",
+                                   tensor=job.tensor or None, layer=job.layer))
+        elif n_el > opts.max_layer_elements:
+            results.append(skipped(f"sharding.tp.{job.kind}", COMPONENT,
+                                   f"not run: {n_el:,} weights in fp64 exceed the CPU budget of "
+                                   f"{opts.max_layer_elements:,} elements",
+                                   tensor=job.tensor or None, layer=job.layer))
+        else:
+            runnable.append(job)
+    backend = resolve_backend(opts.backend, opts.tp)
+    payload = RunPayload(cfg, runnable, opts.loader, opts.kv_layout, opts.collectives)
+    try:
+        per_rank = run_ranks(rank_run, payload, DistOptions(opts.tp, backend, opts.timeout_s))
+    except RanksFailed as err:
+        return results + [errored("sharding.tp.run", COMPONENT, f"the sharded run failed: {err.message}",
+                                  stats={"tp": opts.tp, "backend": backend, "detail": err.detail[-2000:]})]
+    for i, job in enumerate(runnable):
+        results.extend(compare(cfg, job, unsharded(cfg, job), [o["jobs"][i] for o in per_rank],
+                               opts.tp, backend))
+    if opts.collectives:
+        results.extend(collectives.check_collectives([o["collectives"] for o in per_rank], backend))
+    return results
