@@ -1,0 +1,291 @@
+"""Teacher-forced logit comparison: the engine vs the reference on the same tokens.
+
+At every position both see the same prefix (teacher forcing), so each position is an
+independent comparison of two next-token distributions; comparing free-running
+generations after their first divergence would measure nothing. Per position:
+
+- KL(ref || engine) over the full vocabulary in float64, or, when the engine returns only
+  its top-k, over the coarsened distribution {top-k ids known on both sides, tail bucket}.
+  Coarsening never increases KL (data-processing inequality), so top-k KL is a lower bound
+  and the report says so.
+- argmax agreement, with a Wilson binomial interval over all positions.
+- delta-p: p_engine(observed next token) - p_ref(observed next token).
+- NMSE of the log-softmax: mean((le - lr)^2) / var(lr) (model-conversion's check-nmse).
+
+Distributions are summarized like llama-perplexity's KL report (mean +- stderr, median,
+90/95/99/99.9 percentiles, max). Verdicts are relative to an honest baseline: how far a
+correct engine of the same numerical class lands from the fp64 reference, either measured
+(the reference run in the engine's dtype vs the fp64 reference) or, when that run is not
+available, a stated allowance per activation class. A check fails when the engine exceeds
+``multiple * baseline + floor``; the report prints the engine's number and the threshold.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ggufcheck.engines.base import TokenLogprobs
+from ggufcheck.results import Result, failed, passed, skipped
+
+PERCENTILES = (50.0, 90.0, 95.0, 99.0, 99.9)
+TAIL_EPS = 1e-12  # probability floor for a tail bucket the engine says is empty
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """Expected error of a correct engine (per position), and where the numbers came from."""
+
+    source: str  # e.g. "measured: reference fp32 vs fp64" or "stated allowance for q8 activations"
+    kl_mean: float
+    kl_p99: float
+    argmax_agreement: float
+    nmse_mean: float
+    delta_p_rms: float
+
+
+# Stated allowances, used only when no measured baseline run is available. They describe a
+# correct engine of each numerical class on the SAME (already quantized) weights: the
+# spread comes from activation rounding and accumulation order only. The q8 row is for
+# llama.cpp-style engines quantizing activations to 8-bit blocks (ggml's Q8_0 / Q8_1 inputs
+# to quantized matmuls); its size follows check-nmse's "good" band (NMSE < 1e-2).
+ALLOWANCES: dict[str, Baseline] = {
+    "fp64": Baseline("stated allowance for fp64 activations", 1e-10, 1e-9, 0.999, 1e-10, 1e-5),
+    "fp32": Baseline("stated allowance for fp32 activations", 1e-6, 1e-5, 0.995, 1e-6, 1e-3),
+    "fp16": Baseline("stated allowance for fp16 activations", 1e-3, 1e-2, 0.98, 1e-3, 0.01),
+    "bf16": Baseline("stated allowance for bf16 activations", 3e-3, 3e-2, 0.97, 3e-3, 0.02),
+    "q8": Baseline("stated allowance for 8-bit quantized activations", 5e-3, 5e-2, 0.97, 1e-2, 0.03),
+}
+
+
+@dataclass(frozen=True)
+class LogitTolerance:
+    """fail when engine > multiple * baseline + floor (argmax: upper bound < baseline - floor)."""
+
+    multiple: float = 3.0
+    kl_floor: float = 1e-4  # nats per position
+    kl_p99_floor: float = 1e-3
+    argmax_floor: float = 0.02
+    nmse_floor: float = 1e-4
+    delta_p_floor: float = 0.005
+
+
+@dataclass
+class PositionMetrics:
+    """Per-position metrics over every compared row of every sequence (all [N])."""
+
+    kl: np.ndarray
+    agree: np.ndarray  # bool
+    delta_p: np.ndarray  # NaN where the observed token is unknown (last row, off top-k)
+    nmse: np.ndarray
+    sequence: np.ndarray  # which sequence each row came from
+    position: np.ndarray  # row index t within the sequence
+    ref_argmax: np.ndarray
+    eng_argmax: np.ndarray
+    full_vocab: bool = True
+    sequences: list[np.ndarray] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return len(self.kl)
+
+
+def compare_tables(reference: TokenLogprobs, engine: TokenLogprobs) -> dict[str, np.ndarray]:
+    """Per-row metrics for one sequence at rows both sides report. Keys as PositionMetrics."""
+    if not np.array_equal(reference.tokens, engine.tokens):
+        raise ValueError("reference and engine scored different token sequences")
+    rows = np.flatnonzero(reference.present & engine.present)  # [N]
+    if reference.full and engine.full:
+        lr = reference.logprobs[rows].astype(np.float64)  # [N, V]
+        le = engine.logprobs[rows].astype(np.float64)
+        pr = np.exp(lr)
+        kl = (pr * (lr - le)).sum(axis=1)
+        nmse = ((le - lr) ** 2).mean(axis=1) / np.maximum(lr.var(axis=1), 1e-30)
+        full = True
+    else:
+        kl, nmse = _topk_tail_kl(reference, engine, rows)
+        full = False
+    observed = np.exp(engine.next_logprob[rows]) - np.exp(reference.next_logprob[rows])
+    return {
+        "kl": kl, "nmse": nmse, "delta_p": observed, "position": rows,
+        "ref_argmax": reference.argmax()[rows], "eng_argmax": engine.argmax()[rows],
+        "full_vocab": np.array(full),
+    }
+
+
+def _topk_tail_kl(reference: TokenLogprobs, engine: TokenLogprobs, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """KL and NMSE over {ids known on both sides} + one tail bucket (a lower bound on KL)."""
+    kl = np.empty(len(rows))
+    nmse = np.empty(len(rows))
+    k = engine.topk_ids.shape[1] if engine.topk_ids is not None else 64
+    ref_ids, ref_lp = reference.top_k(reference.vocab_size if reference.full else k)
+    eng_ids, eng_lp = engine.top_k(engine.vocab_size if engine.full else k)
+    for i, t in enumerate(rows):
+        r = {int(a): b for a, b in zip(ref_ids[t], ref_lp[t]) if a >= 0}
+        e = {int(a): b for a, b in zip(eng_ids[t], eng_lp[t]) if a >= 0}
+        if reference.full:
+            r = {a: float(reference.logprobs[t, a]) for a in e}
+        known = sorted(set(r) & set(e))
+        lr = np.array([r[a] for a in known])
+        le = np.array([e[a] for a in known])
+        pr, pe = np.exp(lr), np.exp(le)
+        tail_r = max(1.0 - pr.sum(), 0.0)
+        tail_e = max(1.0 - pe.sum(), TAIL_EPS)
+        value = float((pr * (lr - le)).sum())
+        if tail_r > 0:
+            value += tail_r * math.log(tail_r / tail_e)
+        kl[i] = value
+        nmse[i] = ((le - lr) ** 2).mean() / max(lr.var(), 1e-30) if len(known) > 1 else 0.0
+    return kl, nmse
+
+
+def collect(pairs: Sequence[tuple[TokenLogprobs, TokenLogprobs]]) -> PositionMetrics:
+    """Per-position metrics over several (reference, engine) sequence pairs."""
+    parts = [compare_tables(r, e) for r, e in pairs]
+    cat = lambda key: np.concatenate([p[key] for p in parts]) if parts else np.zeros(0)  # noqa: E731
+    seq = np.concatenate([np.full(len(p["kl"]), i) for i, p in enumerate(parts)]) if parts else np.zeros(0, int)
+    ref_argmax, eng_argmax = cat("ref_argmax"), cat("eng_argmax")
+    return PositionMetrics(
+        kl=cat("kl"), agree=ref_argmax == eng_argmax, delta_p=cat("delta_p"), nmse=cat("nmse"),
+        sequence=seq, position=cat("position"), ref_argmax=ref_argmax, eng_argmax=eng_argmax,
+        full_vocab=all(bool(p["full_vocab"]) for p in parts), sequences=[r.tokens for r, _ in pairs],
+    )
+
+
+def distribution(values: np.ndarray) -> dict[str, float]:
+    """llama-perplexity style summary of a per-position metric (NaNs dropped)."""
+    x = np.asarray(values, dtype=np.float64)
+    x = x[np.isfinite(x)]
+    if len(x) == 0:
+        return {"n": 0}
+    out = {"n": int(len(x)), "mean": float(x.mean()),
+           "stderr": float(x.std(ddof=1) / math.sqrt(len(x))) if len(x) > 1 else 0.0}
+    for q in PERCENTILES:
+        out["median" if q == 50.0 else f"p{q:g}"] = float(np.percentile(x, q))
+    out["max"] = float(x.max())
+    out["min"] = float(x.min())
+    out["rms"] = float(math.sqrt((x ** 2).mean()))
+    return out
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval for a binomial proportion (95% for z = 1.96)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def baseline_from(metrics: PositionMetrics, source: str) -> Baseline:
+    """A measured baseline from a trusted low-precision run vs the fp64 reference."""
+    dp = metrics.delta_p[np.isfinite(metrics.delta_p)]
+    return Baseline(
+        source=source,
+        kl_mean=float(np.mean(metrics.kl)) if metrics.n else 0.0,
+        kl_p99=float(np.percentile(metrics.kl, 99)) if metrics.n else 0.0,
+        argmax_agreement=float(np.mean(metrics.agree)) if metrics.n else 1.0,
+        nmse_mean=float(np.mean(metrics.nmse)) if metrics.n else 0.0,
+        delta_p_rms=float(np.sqrt(np.mean(dp ** 2))) if len(dp) else 0.0,
+    )
+
+
+Detokenize = Callable[[Sequence[int]], str]
+
+
+def worst_positions(metrics: PositionMetrics, detokenize: Detokenize | None, count: int = 5) -> list[dict]:
+    """The ``count`` positions with the largest KL, with their context and tokens."""
+    order = np.argsort(-metrics.kl, kind="stable")[:count]
+    text = detokenize or (lambda toks: " ".join(str(t) for t in toks))
+    out = []
+    for i in order:
+        seq = metrics.sequences[int(metrics.sequence[i])]
+        t = int(metrics.position[i])
+        entry = {
+            "sequence": int(metrics.sequence[i]), "position": t, "kl": float(metrics.kl[i]),
+            "context": _safe(text, seq[max(0, t - 7):t + 1]),
+            "reference_top": _safe(text, [int(metrics.ref_argmax[i])]),
+            "engine_top": _safe(text, [int(metrics.eng_argmax[i])]),
+        }
+        if t + 1 < len(seq):
+            entry["observed_next"] = _safe(text, [int(seq[t + 1])])
+            entry["delta_p"] = float(metrics.delta_p[i])
+        out.append(entry)
+    return out
+
+
+def _safe(text: Detokenize, tokens: Sequence[int]) -> str:
+    try:
+        return text([int(t) for t in tokens])
+    except Exception:  # noqa: BLE001 - display only; never fail a check on a display string
+        return " ".join(str(int(t)) for t in tokens)
+
+
+def judge(metrics: PositionMetrics, baseline: Baseline, tolerance: LogitTolerance = LogitTolerance(),
+          *, detokenize: Detokenize | None = None, component: str = "output") -> list[Result]:
+    """The logits stage's results: KL mean, KL p99, argmax agreement, delta-p, NMSE."""
+    if metrics.n == 0:
+        return [skipped("logits.kl", component, "no position was reported by both the reference and the engine")]
+    m = tolerance.multiple
+    kl = distribution(metrics.kl)
+    method = "full vocabulary" if metrics.full_vocab else "top-k + tail bucket (a lower bound on the full KL)"
+    worst = {"positions": worst_positions(metrics, detokenize)}
+    base_note = f"baseline ({baseline.source})"
+    results: list[Result] = []
+
+    limit = m * baseline.kl_mean + tolerance.kl_floor
+    results.append(_verdict(
+        "logits.kl_mean", component, kl["mean"] <= limit,
+        f"mean KL(ref||engine) {kl['mean']:.3g} nats over {kl['n']} positions ({method}); "
+        f"{base_note} {baseline.kl_mean:.3g}, limit {limit:.3g}",
+        stats={"kl": kl, "baseline": baseline.kl_mean, "limit": limit, "method": method}, worst=worst))
+
+    limit99 = m * baseline.kl_p99 + tolerance.kl_p99_floor
+    results.append(_verdict(
+        "logits.kl_p99", component, kl["p99"] <= limit99,
+        f"99th-percentile KL {kl['p99']:.3g} (max {kl['max']:.3g}); {base_note} {baseline.kl_p99:.3g}, "
+        f"limit {limit99:.3g}",
+        stats={"p99": kl["p99"], "max": kl["max"], "baseline": baseline.kl_p99, "limit": limit99}))
+
+    agree = int(metrics.agree.sum())
+    low, high = wilson_interval(agree, metrics.n)
+    need = baseline.argmax_agreement - tolerance.argmax_floor
+    results.append(_verdict(
+        "logits.argmax", component, high >= need,
+        f"argmax agrees at {agree}/{metrics.n} positions ({agree / metrics.n:.1%}, 95% CI "
+        f"{low:.1%}-{high:.1%}); {base_note} {baseline.argmax_agreement:.1%}, need upper bound >= {need:.1%}",
+        stats={"agreement": agree / metrics.n, "ci95": [low, high], "n": metrics.n,
+               "baseline": baseline.argmax_agreement, "required_upper_bound": need}))
+
+    dp = distribution(metrics.delta_p)
+    if dp.get("n", 0):
+        # A systematic shift of the observed token's probability: |mean| vs its own noise
+        # (3 standard errors) plus the baseline's spread.
+        limit_dp = m * baseline.delta_p_rms / math.sqrt(dp["n"]) + 3 * dp["stderr"] + tolerance.delta_p_floor
+        rms_limit = m * baseline.delta_p_rms + tolerance.delta_p_floor
+        ok = abs(dp["mean"]) <= limit_dp and dp["rms"] <= rms_limit
+        results.append(_verdict(
+            "logits.delta_p", component, ok,
+            f"delta-p of the observed token: mean {dp['mean']:+.4f} (limit +-{limit_dp:.4f}), rms {dp['rms']:.4f} "
+            f"(limit {rms_limit:.4f}); {base_note} rms {baseline.delta_p_rms:.4f}",
+            stats={"delta_p": dp, "mean_limit": limit_dp, "rms_limit": rms_limit}))
+    else:
+        results.append(skipped("logits.delta_p", component, "the engine reported no observed-token probability"))
+
+    nm = distribution(metrics.nmse)
+    limit_nmse = m * baseline.nmse_mean + tolerance.nmse_floor
+    results.append(_verdict(
+        "logits.nmse", component, nm["mean"] <= limit_nmse,
+        f"NMSE of log-softmax {nm['mean']:.3g} ({'full vocabulary' if metrics.full_vocab else 'top-k ids'}); "
+        f"{base_note} {baseline.nmse_mean:.3g}, limit {limit_nmse:.3g}",
+        stats={"nmse": nm, "baseline": baseline.nmse_mean, "limit": limit_nmse}))
+    return results
+
+
+def _verdict(check: str, component: str, ok: bool, message: str, **kw) -> Result:
+    return passed(check, component, message, **kw) if ok else failed(check, component, message, **kw)

@@ -1,0 +1,170 @@
+"""Execution-path invariance: one engine against itself, no reference needed.
+
+A correct engine gives the same next-token distribution at a position however it got
+there. Each check runs the same tokens through two paths and compares them position by
+position with the logits metrics:
+
+- prefill vs decode: teacher-forced log-probs of ``prompt + continuation`` equal the
+  per-step log-probs of the greedy decode that produced the continuation (catches
+  scheduler, KV-cache and decode-kernel faults: catalog #11, #16);
+- batch invariance: a sequence scored alone equals the same sequence scored in a batch;
+- determinism at temperature 0: the same request twice gives the same log-probs and tokens;
+- chunked-prefill invariance: the prompt prefilled in chunks equals one prefill (#7-#9);
+- for sparse-attention (DSA) models, decoding past the indexer's top_k (#13, #14).
+
+Different paths may legitimately round differently (a mat-vec for one token against a
+mat-mat for a prompt), so limits are those of the logits stage for the engine's numerical
+class: ``multiple * baseline + floor``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from ggufcheck.checks.logits import ALLOWANCES, Baseline, LogitTolerance, collect, distribution, wilson_interval
+from ggufcheck.engines.base import Engine, Generation, TokenLogprobs, Unsupported
+from ggufcheck.results import Result, failed, passed, skipped
+
+
+@dataclass(frozen=True)
+class PathOptions:
+    max_new_tokens: int = 8
+    decode_prompts: int = 2  # how many prompts get a step-by-step decode (it is slow)
+    batch_prompts: int = 3
+    chunk_sizes: tuple[int, ...] = (5,)
+    tolerance: LogitTolerance = LogitTolerance()
+    top_k: int = 20
+    indexer_top_k: int | None = None  # DSA models: the indexer's top_k from the metadata
+
+
+def _pair_verdict(check: str, component: str, what: str, pairs: Sequence[tuple[TokenLogprobs, TokenLogprobs]],
+                  baseline: Baseline, tol: LogitTolerance) -> Result:
+    """Compare path A (first) with path B (second) at every shared position."""
+    m = collect(pairs)
+    if m.n == 0:
+        return skipped(check, component, f"{what}: no position was reported by both paths")
+    kl = distribution(m.kl)
+    limit = tol.multiple * baseline.kl_mean + tol.kl_floor
+    limit99 = tol.multiple * baseline.kl_p99 + tol.kl_p99_floor
+    agree = int(m.agree.sum())
+    low, high = wilson_interval(agree, m.n)
+    need = baseline.argmax_agreement - tol.argmax_floor
+    ok = kl["mean"] <= limit and kl["max"] <= max(limit99, limit) * 10 and high >= need
+    worst_i = int(np.argmax(m.kl))
+    stats = {"kl": kl, "kl_limit": limit, "kl_max_limit": max(limit99, limit) * 10,
+             "argmax_agreement": agree / m.n, "ci95": [low, high], "required_upper_bound": need,
+             "baseline": baseline.source}
+    worst = {"sequence": int(m.sequence[worst_i]), "position": int(m.position[worst_i]), "kl": float(m.kl[worst_i])}
+    msg = (f"{what}: mean KL {kl['mean']:.3g} (limit {limit:.3g}), max {kl['max']:.3g} "
+           f"(limit {max(limit99, limit) * 10:.3g}), argmax {agree}/{m.n} agree, over {m.n} positions")
+    return (passed if ok else failed)(check, component, msg, stats=stats, worst=worst)
+
+
+def check_prefill_vs_decode(engine: Engine, prompts: Sequence[Sequence[int]], baseline: Baseline,
+                            options: PathOptions) -> tuple[Result, list[Generation]]:
+    caps = engine.capabilities
+    if not caps.generate:
+        return skipped("paths.prefill_vs_decode", "decode", caps.why_not("generate")), []
+    pairs, generations = [], []
+    for prompt in prompts[:options.decode_prompts]:
+        gen = engine.generate(prompt, options.max_new_tokens, top_k=options.top_k)
+        teacher = engine.score(gen.sequence, top_k=options.top_k)
+        pairs.append((teacher, gen.steps))  # compared at the decode steps' rows only
+        generations.append(gen)
+    return _pair_verdict("paths.prefill_vs_decode", "decode",
+                         "teacher-forced prefill vs step-by-step decode", pairs, baseline, options.tolerance), generations
+
+
+def check_batch_invariance(engine: Engine, prompts: Sequence[Sequence[int]], singles: Sequence[TokenLogprobs],
+                           baseline: Baseline, options: PathOptions) -> Result:
+    caps = engine.capabilities
+    if not caps.batch:
+        return skipped("paths.batch_invariance", "batching", caps.why_not("batch"))
+    if len(prompts) < 2:
+        return skipped("paths.batch_invariance", "batching", "needs at least two prompts")
+    n = min(options.batch_prompts, len(prompts))
+    batched = engine.score_batch(list(prompts[:n]), top_k=options.top_k)
+    return _pair_verdict("paths.batch_invariance", "batching", f"alone vs in a batch of {n}",
+                         list(zip(singles[:n], batched)), baseline, options.tolerance)
+
+
+def check_determinism(engine: Engine, prompt: Sequence[int], first: TokenLogprobs,
+                      first_generation: Generation | None, baseline: Baseline, options: PathOptions) -> Result:
+    """Same request twice at temperature 0: bitwise equality is expected; differences are judged."""
+    again = engine.score(prompt, top_k=options.top_k)
+    result = _pair_verdict("paths.determinism", "sampling", "the same request twice", [(first, again)],
+                           baseline, options.tolerance)
+    if first.full and again.full:
+        bitwise = bool(np.array_equal(first.logprobs[first.present], again.logprobs[again.present]))
+    else:
+        bitwise = bool(np.array_equal(first.topk_logprobs, again.topk_logprobs))
+    result.stats["bitwise"] = bitwise
+    notes = ["bitwise identical" if bitwise else "not bitwise identical"]
+    if first_generation is not None:
+        regen = engine.generate(first_generation.prompt, len(first_generation.generated), top_k=options.top_k)
+        same = bool(np.array_equal(regen.generated, first_generation.generated))
+        result.stats["same_greedy_tokens"] = same
+        notes.append("same greedy tokens" if same else "greedy tokens differ")
+    result.message += "; " + ", ".join(notes)
+    return result
+
+
+def check_chunked_prefill(engine: Engine, prompts: Sequence[Sequence[int]], singles: Sequence[TokenLogprobs],
+                          baseline: Baseline, options: PathOptions) -> list[Result]:
+    caps = engine.capabilities
+    if not caps.chunked_prefill:
+        return [skipped("paths.chunked_prefill", "prefill", caps.why_not("chunked_prefill"))]
+    out = []
+    for size in options.chunk_sizes:
+        pairs = []
+        for prompt, single in zip(prompts, singles):
+            if len(prompt) <= size:
+                continue
+            try:
+                pairs.append((single, engine.score_chunked(prompt, size, top_k=options.top_k)))
+            except Unsupported as why:
+                out.append(skipped(f"paths.chunked_prefill[{size}]", "prefill", str(why)))
+                break
+        else:
+            if not pairs:
+                out.append(skipped(f"paths.chunked_prefill[{size}]", "prefill",
+                                   f"no prompt longer than the chunk size {size}"))
+                continue
+            out.append(_pair_verdict(f"paths.chunked_prefill[{size}]", "prefill",
+                                     f"one prefill vs chunks of {size}", pairs, baseline, options.tolerance))
+    return out
+
+
+def check_past_indexer_top_k(engine: Engine, long_prompt: Sequence[int] | None, baseline: Baseline,
+                             options: PathOptions) -> Result:
+    """DSA models: decode past the indexer's top_k must still match the teacher-forced prefill."""
+    if options.indexer_top_k is None:
+        return skipped("paths.past_indexer_top_k", "indexer", "the model has no sparse-attention indexer")
+    if long_prompt is None or len(long_prompt) <= options.indexer_top_k:
+        return skipped("paths.past_indexer_top_k", "indexer",
+                       f"no prompt longer than the indexer top_k={options.indexer_top_k} (raise n_ctx / add one)")
+    result, _ = check_prefill_vs_decode(engine, [long_prompt], baseline,
+                                        PathOptions(max_new_tokens=options.max_new_tokens, decode_prompts=1,
+                                                    tolerance=options.tolerance, top_k=options.top_k))
+    result.check = "paths.past_indexer_top_k"
+    result.component = "indexer"
+    return result
+
+
+def run_paths(engine: Engine, prompts: Sequence[Sequence[int]], singles: Sequence[TokenLogprobs],
+              options: PathOptions = PathOptions(), *, baseline: Baseline | None = None,
+              long_prompt: Sequence[int] | None = None) -> tuple[list[Result], list[Generation]]:
+    """All path checks. ``singles`` are the engine's own teacher-forced tables of ``prompts``."""
+    baseline = baseline or ALLOWANCES.get(engine.capabilities.activation_dtype, ALLOWANCES["fp32"])
+    results: list[Result] = []
+    decode, generations = check_prefill_vs_decode(engine, prompts, baseline, options)
+    results.append(decode)
+    results.append(check_batch_invariance(engine, prompts, singles, baseline, options))
+    results.append(check_determinism(engine, prompts[0], singles[0], generations[0] if generations else None,
+                                      baseline, options))
+    results.extend(check_chunked_prefill(engine, prompts, singles, baseline, options))
+    results.append(check_past_indexer_top_k(engine, long_prompt, baseline, options))
+    return results, generations

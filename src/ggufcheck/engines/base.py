@@ -1,0 +1,260 @@
+"""The Engine interface: how ggufcheck talks to any deployment.
+
+This is a public, stable interface. Users plug in their own deployment by writing a small
+class with these methods (or by pointing ``--engine python:module:factory`` at a function
+returning one). Every adapter declares what it can do in a frozen :class:`Capabilities`;
+a check that needs a missing capability is SKIPPED with the reason the adapter gives, never
+failed and never silently dropped.
+
+Position convention (used by every return type here). For a token sequence ``tokens[0..T)``
+row ``t`` of a log-probability table is the engine's next-token distribution after the
+prefix ``tokens[:t+1]``, i.e. the distribution that should predict ``tokens[t+1]``. So a
+table has T rows; the last row predicts the token after the sequence. Rows an engine
+cannot report (OpenAI-style servers never return the distribution before the first echoed
+token) are marked absent in ``present``.
+
+Dimension letters: T sequence length, V vocabulary size, K top-k width, D hidden size.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from ggufcheck.errors import Unavailable
+
+# Per-layer tensor kinds an engine may expose through ``layer_outputs``.
+LAYER_KINDS = ("residual", "attention", "ffn", "moe", "router", "indexer")
+
+
+class Unsupported(Unavailable):
+    """The engine does not offer this capability; checks needing it are skipped."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an adapter offers. ``reasons`` explains each capability it lacks."""
+
+    tokenize: bool = False
+    score: bool = False  # teacher-forced log-probs for a given token sequence
+    full_vocab: bool = False  # score returns the whole vocabulary (else top-k + tail)
+    max_top_k: int = 0  # widest top-k the engine returns when not full_vocab
+    generate: bool = False  # greedy step-by-step generation with per-step log-probs
+    batch: bool = False  # several sequences scored together in one engine call
+    chunked_prefill: bool = False  # prefill split into chunks of a requested size
+    layer_outputs: frozenset[str] = frozenset()  # subset of LAYER_KINDS
+    weights: bool = False  # loaded weights by HF name (and TP rank)
+    tp_size: int = 1
+    # Numerical class of the engine's activations, used to pick the honest baseline:
+    # "fp64", "fp32", "bf16", "fp16", or "q8" (llama.cpp CPU quantizes activations to
+    # 8-bit blocks before quantized matmuls).
+    activation_dtype: str = "fp32"
+    reasons: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+    def why_not(self, capability: str) -> str:
+        """The adapter's reason for lacking ``capability`` (a SKIP message)."""
+        return self.reasons.get(capability, f"the engine does not offer {capability}")
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Next-token log-probabilities at every position of one token sequence.
+
+    Either ``logprobs`` (full vocabulary) or ``topk_ids`` + ``topk_logprobs`` is set. Top-k
+    rows are sorted by decreasing log-probability; unused slots have id -1 and -inf. The
+    probability mass outside the top-k ("tail") is ``1 - sum(exp(topk_logprobs))``.
+    """
+
+    tokens: np.ndarray  # [T] int64: the sequence that was scored
+    vocab_size: int
+    logprobs: np.ndarray | None = None  # [T, V] float32 log-softmax
+    topk_ids: np.ndarray | None = None  # [T, K] int64
+    topk_logprobs: np.ndarray | None = None  # [T, K] float64
+    next_logprob: np.ndarray | None = None  # [T]: log p(tokens[t+1]) at row t; NaN if unknown
+    present: np.ndarray | None = None  # [T] bool: rows the engine reported
+
+    def __post_init__(self) -> None:
+        tokens = np.asarray(self.tokens, dtype=np.int64).reshape(-1)
+        object.__setattr__(self, "tokens", tokens)
+        n = len(tokens)
+        if self.logprobs is None and self.topk_ids is None:
+            raise ValueError("TokenLogprobs needs logprobs or topk_ids/topk_logprobs")
+        if self.logprobs is not None and self.logprobs.shape != (n, self.vocab_size):
+            raise ValueError(f"logprobs shape {self.logprobs.shape} != ({n}, {self.vocab_size})")
+        if self.topk_ids is not None:
+            if self.topk_logprobs is None or self.topk_ids.shape != self.topk_logprobs.shape:
+                raise ValueError("topk_ids and topk_logprobs must have the same shape")
+            if self.topk_ids.shape[0] != n:
+                raise ValueError(f"top-k rows {self.topk_ids.shape[0]} != {n} tokens")
+        if self.present is None:
+            object.__setattr__(self, "present", np.ones(n, dtype=bool))
+        if self.next_logprob is None:
+            object.__setattr__(self, "next_logprob", self._observed_from_table())
+
+    @property
+    def full(self) -> bool:
+        return self.logprobs is not None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def _observed_from_table(self) -> np.ndarray:
+        n = len(self.tokens)
+        out = np.full(n, np.nan)
+        if n < 2:
+            return out
+        nxt = self.tokens[1:]  # [T-1]
+        if self.logprobs is not None:
+            out[:-1] = self.logprobs[np.arange(n - 1), nxt]
+        else:
+            hit = self.topk_ids[:-1] == nxt[:, None]  # [T-1, K]
+            rows = hit.any(axis=1)
+            out[:-1][rows] = self.topk_logprobs[:-1][hit]
+        out[~self.present] = np.nan
+        return out
+
+    def top_k(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """([T, k] ids, [T, k] log-probs) sorted by decreasing log-probability."""
+        if self.logprobs is not None:
+            k = min(k, self.vocab_size)
+            ids = np.argpartition(-self.logprobs, k - 1, axis=1)[:, :k]  # [T, k] unsorted
+            vals = np.take_along_axis(self.logprobs, ids, axis=1)
+            order = np.argsort(-vals, axis=1, kind="stable")
+            return np.take_along_axis(ids, order, 1), np.take_along_axis(vals, order, 1).astype(np.float64)
+        return self.topk_ids[:, :k], self.topk_logprobs[:, :k]
+
+    def argmax(self) -> np.ndarray:
+        """[T] the most likely next token at each row (-1 where absent)."""
+        if self.logprobs is not None:
+            out = self.logprobs.argmax(axis=1).astype(np.int64)
+        else:
+            out = self.topk_ids[:, 0].copy()
+        out[~self.present] = -1
+        return out
+
+    def rows(self, start: int, stop: int) -> "TokenLogprobs":
+        """Rows [start, stop) only, as a table over the same tokens (others absent)."""
+        present = np.zeros(len(self.tokens), dtype=bool)
+        present[start:stop] = self.present[start:stop]
+        return TokenLogprobs(
+            self.tokens, self.vocab_size, self.logprobs, self.topk_ids, self.topk_logprobs,
+            np.where(present, self.next_logprob, np.nan), present,
+        )
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A greedy generation: the prompt, the generated tokens and per-step log-probs.
+
+    ``steps`` is a :class:`TokenLogprobs` over ``prompt + generated`` whose present rows are
+    ``n_prompt - 1 .. n_prompt + len(generated) - 2`` (the distributions each step sampled
+    from), so it lines up with a teacher-forced ``score`` of the same sequence.
+    """
+
+    prompt: np.ndarray  # [P] int64
+    generated: np.ndarray  # [N] int64
+    steps: TokenLogprobs
+
+    @property
+    def sequence(self) -> np.ndarray:
+        return np.concatenate([self.prompt, self.generated])
+
+
+@dataclass(frozen=True)
+class LayerTrace:
+    """Per-layer tensors for one sequence: ``tensors[(kind, layer)]`` is [T, ...] float32."""
+
+    tokens: np.ndarray  # [T]
+    tensors: Mapping[tuple[str, int], np.ndarray]
+    names: Mapping[tuple[str, int], str] = field(default_factory=dict)  # engine's own names
+
+
+class Engine(abc.ABC):
+    """An engine under test (or the reference). Subclass and override what you offer.
+
+    Required: ``name``, ``capabilities``, ``vocab_size``, and :meth:`score`. Everything
+    else raises :class:`Unsupported` unless overridden and declared in ``capabilities``.
+    Engines are context managers; :meth:`close` releases processes, sockets and memory.
+    """
+
+    name: str = "engine"
+    capabilities: Capabilities = Capabilities()
+    vocab_size: int = 0
+
+    # ---- tokenization -------------------------------------------------------------
+    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        """Token ids of ``text`` (with the model's BOS etc. when ``add_special``)."""
+        raise Unsupported(self.capabilities.why_not("tokenize"))
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        """Text of ``tokens`` (used to show worst positions and to talk to text-only servers)."""
+        raise Unsupported(self.capabilities.why_not("tokenize"))
+
+    # ---- teacher-forced scoring -----------------------------------------------------
+    @abc.abstractmethod
+    def score(self, tokens: Sequence[int], *, top_k: int = 20) -> TokenLogprobs:
+        """Teacher-forced next-token log-probs at every position of ``tokens``.
+
+        Full-vocabulary engines ignore ``top_k``; others return their top ``top_k``.
+        """
+
+    def score_batch(self, batch: Sequence[Sequence[int]], *, top_k: int = 20) -> list[TokenLogprobs]:
+        """Score several sequences in ONE engine call (for batch invariance)."""
+        raise Unsupported(self.capabilities.why_not("batch"))
+
+    def score_chunked(self, tokens: Sequence[int], chunk_size: int, *, top_k: int = 20) -> TokenLogprobs:
+        """Score ``tokens`` with the prefill split into chunks of ``chunk_size`` tokens."""
+        raise Unsupported(self.capabilities.why_not("chunked_prefill"))
+
+    # ---- generation -------------------------------------------------------------------
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, *, top_k: int = 20) -> Generation:
+        """Greedy (temperature 0) generation, one token per step, with per-step log-probs."""
+        raise Unsupported(self.capabilities.why_not("generate"))
+
+    # ---- internals ----------------------------------------------------------------------
+    def layer_outputs(self, tokens: Sequence[int], kinds: Sequence[str] = LAYER_KINDS) -> LayerTrace:
+        """Per-layer tensors (residual stream, attention / FFN / MoE outputs, router choices)."""
+        raise Unsupported(self.capabilities.why_not("layer_outputs"))
+
+    def weight(self, hf_name: str, *, rank: int = 0) -> np.ndarray:
+        """The weight the engine actually loaded under ``hf_name`` on TP rank ``rank``."""
+        raise Unsupported(self.capabilities.why_not("weights"))
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def describe(self) -> dict[str, Any]:
+        """A short JSON-able description for reports."""
+        caps = self.capabilities
+        return {
+            "name": self.name,
+            "vocab_size": self.vocab_size,
+            "full_vocab": caps.full_vocab,
+            "max_top_k": caps.max_top_k,
+            "activation_dtype": caps.activation_dtype,
+            "capabilities": [k for k in ("tokenize", "score", "generate", "batch", "chunked_prefill", "weights")
+                             if getattr(caps, k)] + sorted(caps.layer_outputs),
+        }
+
+    def close(self) -> None:
+        """Release resources. Safe to call twice."""
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise log-softmax in float64 (a constant shift of the logits is not an error)."""
+    x = np.asarray(logits, dtype=np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def reasons(**why: str) -> Mapping[str, str]:
+    """Read-only reason map for :class:`Capabilities` (``reasons(batch="...")``)."""
+    return MappingProxyType(dict(why))

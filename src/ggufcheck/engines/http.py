@@ -1,0 +1,452 @@
+"""``--engine http://HOST:PORT[/v1]``: any OpenAI-compatible server, standard library only.
+
+Three server dialects, detected from what the server answers (or forced with
+``?kind=vllm|llama-cpp-python|llama-server`` on the spec):
+
+- vLLM: ``/v1/completions`` with token-id prompts, ``prompt_logprobs`` (teacher-forced
+  top-k at every prompt position, keyed by token id), ``logprobs`` with
+  ``return_tokens_as_token_ids`` for decode steps, list prompts for batches, ``/tokenize``.
+- llama-cpp-python's server: text prompts only; ``echo`` + ``logprobs`` on
+  ``/v1/completions`` (keys are token TEXTS, mapped back to ids through the server's own
+  ``/extras/tokenize``; texts that do not map to one id go to the tail bucket).
+- llama-server: ``/completion`` with ``n_probs`` returns ids but no prompt log-probs, so
+  teacher forcing is one ``n_predict: 1`` request per prefix (with ``cache_prompt``).
+
+Results follow the OpenAI semantics (entry i of an echoed prompt is the distribution that
+predicts token i); a server that shifts them is reported by the checks, not corrected here.
+Every request has a timeout and bounded retries with exponential backoff; a server that is
+down, too slow or answers malformed JSON raises :class:`EngineUnreachable` (exit 3).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from ggufcheck.engines.base import Capabilities, Engine, Generation, TokenLogprobs, Unsupported, reasons
+from ggufcheck.errors import EngineUnreachable
+
+DIALECTS = ("vllm", "llama-cpp-python", "llama-server")
+_UNKNOWN = object()
+
+
+@dataclass(frozen=True)
+class HttpOptions:
+    timeout_s: float = 60.0  # per request
+    retries: int = 2  # extra attempts after the first, for connection errors / 5xx / timeouts
+    backoff_s: float = 0.5  # first retry delay; doubles each attempt
+    top_k: int = 20
+
+
+class Client:
+    """JSON over HTTP with timeouts, bounded retries and one clear error."""
+
+    def __init__(self, base_url: str, options: HttpOptions):
+        self.base_url = base_url.rstrip("/")
+        self.options = options
+
+    def request(self, method: str, path: str, body: dict | None = None, *, retry: bool = True) -> Any:
+        url = self.base_url + path
+        data = json.dumps(body).encode("utf-8") if body is not None else None
+        attempts = 1 + (self.options.retries if retry else 0)
+        delay = self.options.backoff_s
+        last = ""
+        for attempt in range(attempts):
+            req = urllib.request.Request(url, data=data, method=method,
+                                         headers={"Content-Type": "application/json", "Accept": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=self.options.timeout_s) as resp:
+                    raw = resp.read()
+            except urllib.error.HTTPError as err:
+                detail = _snippet(err.read() if err.fp else b"")
+                if err.code < 500:  # the request itself is wrong: retrying will not help
+                    raise HttpStatusError(err.code, f"{method} {url} answered HTTP {err.code}: {detail}") from err
+                last = f"HTTP {err.code}: {detail}"
+            except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError, OSError) as err:
+                reason = getattr(err, "reason", err)
+                last = f"timed out after {self.options.timeout_s:g} s" if _is_timeout(reason) else f"{reason}"
+            else:
+                try:
+                    return json.loads(raw)
+                except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                    raise EngineUnreachable(
+                        f"{method} {url} answered malformed JSON ({err.msg if hasattr(err, 'msg') else err}): "
+                        f"{_snippet(raw)}", tip="is this an OpenAI-compatible server? check --engine") from err
+            if attempt + 1 < attempts:
+                time.sleep(delay)
+                delay *= 2
+        raise EngineUnreachable(f"{method} {url} failed after {attempts} attempt(s): {last}",
+                                tip="is the server running and reachable? (timeouts: see --timeout)")
+
+    def get(self, path: str, **kw: Any) -> Any:
+        return self.request("GET", path, **kw)
+
+    def post(self, path: str, body: dict, **kw: Any) -> Any:
+        return self.request("POST", path, body, **kw)
+
+
+class HttpStatusError(EngineUnreachable):
+    """A 4xx answer: the server is up but rejected the request."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def _is_timeout(reason: object) -> bool:
+    return isinstance(reason, (socket.timeout, TimeoutError)) or "timed out" in str(reason)
+
+
+def _snippet(raw: bytes, limit: int = 200) -> str:
+    text = raw.decode("utf-8", errors="replace").strip().replace("\n", " ")
+    return text[:limit] + ("..." if len(text) > limit else "") if text else "(empty body)"
+
+
+def _field(doc: Any, *path: Any) -> Any:
+    """doc[path...] or EngineUnreachable naming the missing field (malformed answers)."""
+    cur = doc
+    for key in path:
+        try:
+            cur = cur[key]
+        except (KeyError, IndexError, TypeError) as err:
+            where = "".join(f"[{k!r}]" for k in path)
+            raise EngineUnreachable(f"the server's answer lacks {where} (got {_snippet(json.dumps(doc).encode())})",
+                                    tip="the server does not speak the expected API; force it with ?kind=") from err
+    return cur
+
+
+def parse_spec(spec: str) -> tuple[str, str | None]:
+    """``http://h:p[/v1][?kind=K]`` -> (server root URL without /v1, forced dialect or None)."""
+    parsed = urllib.parse.urlsplit(spec)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise ValueError(f"not an http(s) URL: {spec!r}")
+    kind = urllib.parse.parse_qs(parsed.query).get("kind", [None])[0]
+    if kind is not None and kind not in DIALECTS:
+        raise ValueError(f"unknown server kind {kind!r} (choose from {', '.join(DIALECTS)})")
+    path = parsed.path.rstrip("/")
+    if path.endswith("/v1"):
+        path = path[:-3]
+    return urllib.parse.urlunsplit((parsed.scheme, parsed.netloc, path, "", "")), kind
+
+
+class HttpEngine(Engine):
+    """An OpenAI-compatible server under test."""
+
+    def __init__(self, spec: str, *, vocab_size: int | None = None, model_path: str | Path | None = None,
+                 options: HttpOptions = HttpOptions()):
+        root, kind = parse_spec(spec)
+        self.client = Client(root, options)
+        self.options = options
+        self.kind = kind or self._detect()
+        self.model_id = self._model_id()
+        meta_vocab, meta_bos = _vocab_from(model_path)
+        self.vocab_size = int(vocab_size or meta_vocab or 0)
+        self._bos_id: int | None | object = meta_bos if model_path is not None else _UNKNOWN
+        if not self.vocab_size:
+            raise Unsupported("the vocabulary size is unknown: pass the GGUF model path")
+        self.name = f"{self.kind} at {root}"
+        self._texts: dict[tuple[int, ...], str] = {}  # token ids -> the text they came from
+        self._key_ids: dict[str, int | None] = {}  # token text (llama-cpp-python keys) -> id
+        self.capabilities = self._capabilities()
+
+    # ---- discovery ------------------------------------------------------------------------
+    def _detect(self) -> str:
+        try:
+            props = self.client.get("/props", retry=False)
+            if isinstance(props, dict) and ("default_generation_settings" in props or "n_ctx" in props):
+                return "llama-server"
+        except EngineUnreachable as err:
+            if not isinstance(err, HttpStatusError):
+                self.client.get("/v1/models")  # down or malformed: raise the clear error from here
+        try:
+            spec = self.client.get("/openapi.json", retry=False)
+            paths = spec.get("paths", {}) if isinstance(spec, dict) else {}
+        except HttpStatusError:
+            paths = {}
+        if "/extras/tokenize" in paths:
+            return "llama-cpp-python"
+        if "/tokenize" in paths or "/v1/completions" in paths:
+            return "vllm"
+        raise EngineUnreachable(f"{self.client.base_url} is not a recognized OpenAI-compatible server",
+                                tip="force the dialect with ?kind=vllm|llama-cpp-python|llama-server")
+
+    def _model_id(self) -> str | None:
+        if self.kind == "llama-server":
+            return None
+        models = self.client.get("/v1/models")
+        data = _field(models, "data")
+        return str(_field(data, 0, "id")) if data else None
+
+    def _capabilities(self) -> Capabilities:
+        k = self.options.top_k
+        common = dict(tokenize=True, score=True, full_vocab=False, max_top_k=k, generate=True,
+                      activation_dtype="q8" if self.kind != "vllm" else "bf16")
+        no_internals = dict(layer_outputs="an HTTP server exposes no per-layer tensors",
+                            weights="an HTTP server exposes no loaded weights")
+        if self.kind == "vllm":
+            return Capabilities(**common, batch=True, chunked_prefill=False, reasons=reasons(
+                chunked_prefill="vLLM sets its chunk size at server start (--max-num-batched-tokens); "
+                                "restart it with another size and compare two runs", **no_internals))
+        why_batch = ("llama-cpp-python's server scores one prompt per request" if self.kind == "llama-cpp-python"
+                     else "llama-server's /completion takes one prompt per request here")
+        return Capabilities(**common, batch=False, chunked_prefill=False, reasons=reasons(
+            batch=why_batch, chunked_prefill="the prefill chunk size is fixed at server start (n_batch)",
+            **no_internals))
+
+    # ---- tokenization ---------------------------------------------------------------------
+    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        if self.kind == "llama-cpp-python":
+            ids = [int(t) for t in _field(self.client.post("/extras/tokenize", {"input": text}), "tokens")]
+        elif self.kind == "vllm":
+            body = {"prompt": text, "add_special_tokens": add_special}
+            if self.model_id:
+                body["model"] = self.model_id
+            ids = [int(t) for t in _field(self.client.post("/tokenize", body), "tokens")]
+        else:
+            ids = [int(t) for t in _field(self.client.post("/tokenize", {"content": text, "add_special": add_special}),
+                                          "tokens")]
+        self._texts[tuple(ids)] = text
+        return ids
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        key = tuple(int(t) for t in tokens)
+        if key in self._texts:
+            return self._texts[key]
+        toks = list(key)
+        if self.kind == "llama-cpp-python":
+            return str(_field(self.client.post("/extras/detokenize", {"tokens": toks}), "text"))
+        if self.kind == "vllm":
+            body = {"tokens": toks, **({"model": self.model_id} if self.model_id else {})}
+            return str(_field(self.client.post("/detokenize", body), "prompt"))
+        return str(_field(self.client.post("/detokenize", {"tokens": toks}), "content"))
+
+    def _text_of(self, tokens: Sequence[int]) -> str:
+        """The exact text for ``tokens`` (text-only servers): cached, else detokenized and verified."""
+        key = tuple(int(t) for t in tokens)
+        if key in self._texts:
+            return self._texts[key]
+        text = self.detokenize(key)
+        if tuple(self.tokenize(text)) != key:
+            raise Unsupported("this server takes text prompts and these tokens do not survive "
+                              "detokenize -> tokenize on it; score sequences it tokenized itself")
+        return text
+
+    def _id_of_key(self, key: str) -> int | None:
+        """Token id for a llama-cpp-python top_logprobs key (its text), via the server's tokenizer."""
+        if key not in self._key_ids:
+            ids = [] if key == "" else [int(t) for t in _field(self.client.post("/extras/tokenize", {"input": key}),
+                                                              "tokens")]
+            bos = self._bos()
+            if len(ids) > 1 and bos is not None and ids[0] == bos:
+                ids = ids[1:]
+            self._key_ids[key] = ids[0] if len(ids) == 1 else None
+        return self._key_ids[key]
+
+    def _bos(self) -> int | None:
+        """The model's BOS id (from the GGUF metadata; else what the server prepends to "")."""
+        if self._bos_id is _UNKNOWN:
+            ids = [int(t) for t in _field(self.client.post("/extras/tokenize", {"input": ""}), "tokens")]
+            self._bos_id = ids[0] if len(ids) == 1 else None
+        return self._bos_id
+
+    # ---- scoring --------------------------------------------------------------------------
+    def score(self, tokens: Sequence[int], *, top_k: int | None = None) -> TokenLogprobs:
+        tokens = [int(t) for t in tokens]
+        k = min(top_k or self.options.top_k, self.options.top_k)
+        if self.kind == "vllm":
+            return self._score_vllm([tokens], k)[0]
+        if self.kind == "llama-cpp-python":
+            return self._score_llama_cpp_python(tokens, k)
+        return self._score_llama_server(tokens, k)
+
+    def score_batch(self, batch: Sequence[Sequence[int]], *, top_k: int | None = None) -> list[TokenLogprobs]:
+        if self.kind != "vllm":
+            raise Unsupported(self.capabilities.why_not("batch"))
+        return self._score_vllm([[int(t) for t in s] for s in batch], min(top_k or self.options.top_k,
+                                                                         self.options.top_k))
+
+    def _score_llama_cpp_python(self, tokens: list[int], k: int) -> TokenLogprobs:
+        body = {"prompt": self._text_of(tokens), "max_tokens": 1, "temperature": 0.0, "echo": True,
+                "logprobs": k, "top_k": 1, "seed": 0}
+        if self.model_id:
+            body["model"] = self.model_id
+        answer = self.client.post("/v1/completions", body)
+        lp = _field(answer, "choices", 0, "logprobs")
+        tops = _field(lp, "top_logprobs")
+        n = len(tokens)
+        bos = self._bos()
+        offset = 1 if bos is not None and tokens and tokens[0] == bos else 0  # the server drops a leading BOS
+        if len(tops) < n - offset:
+            raise EngineUnreachable(f"the server echoed {len(tops)} positions for a {n}-token prompt")
+        rows = [None] * n
+        for i, entry in enumerate(tops[: n - offset]):
+            target = i + offset  # OpenAI semantics: entry i predicts prompt token i
+            if entry is not None and target >= 1:
+                rows[target - 1] = entry
+        if len(tops) > n - offset and tops[n - offset] is not None:
+            rows[n - 1] = tops[n - offset]  # the generated token's entry: the distribution after the prompt
+        return self._table_from_text_rows(tokens, rows, k)
+
+    def _table_from_text_rows(self, tokens: list[int], rows: list[dict | None], k: int) -> TokenLogprobs:
+        n = len(tokens)
+        ids = np.full((n, k + 1), -1, dtype=np.int64)  # +1: the observed token llama-cpp-python adds
+        vals = np.full((n, k + 1), -np.inf)
+        present = np.zeros(n, dtype=bool)
+        for t, entry in enumerate(rows):
+            if not isinstance(entry, dict):
+                continue
+            pairs = []
+            for key, value in entry.items():
+                tid = self._id_of_key(str(key))
+                if tid is not None and value is not None and math.isfinite(float(value)):
+                    pairs.append((float(value), tid))
+            pairs = sorted(set(pairs), reverse=True)[: k + 1]
+            seen: set[int] = set()
+            j = 0
+            for value, tid in pairs:
+                if tid in seen:
+                    continue
+                seen.add(tid)
+                ids[t, j], vals[t, j] = tid, value
+                j += 1
+            present[t] = True
+        return TokenLogprobs(tokens, self.vocab_size, topk_ids=ids, topk_logprobs=vals, present=present)
+
+    def _score_vllm(self, batch: list[list[int]], k: int) -> list[TokenLogprobs]:
+        body = {"prompt": batch if len(batch) > 1 else batch[0], "max_tokens": 1, "temperature": 0.0,
+                "prompt_logprobs": k, "logprobs": k, "return_tokens_as_token_ids": True, "seed": 0}
+        if self.model_id:
+            body["model"] = self.model_id
+        answer = self.client.post("/v1/completions", body)
+        choices = sorted(_field(answer, "choices"), key=lambda c: c.get("index", 0))
+        if len(choices) != len(batch):
+            raise EngineUnreachable(f"vLLM returned {len(choices)} choices for {len(batch)} prompts")
+        out = []
+        for tokens, choice in zip(batch, choices):
+            n = len(tokens)
+            plp = _field(choice, "prompt_logprobs")
+            ids = np.full((n, k + 1), -1, dtype=np.int64)
+            vals = np.full((n, k + 1), -np.inf)
+            present = np.zeros(n, dtype=bool)
+            for i, entry in enumerate(plp[:n]):
+                if i == 0 or not isinstance(entry, dict):
+                    continue
+                pairs = sorted(((float(v["logprob"] if isinstance(v, dict) else v), int(tid))
+                                for tid, v in entry.items()), reverse=True)[: k + 1]
+                for j, (value, tid) in enumerate(pairs):
+                    ids[i - 1, j], vals[i - 1, j] = tid, value
+                present[i - 1] = True
+            last = (choice.get("logprobs") or {}).get("top_logprobs") or []
+            if last and isinstance(last[0], dict):
+                pairs = sorted(((float(v), _vllm_token_id(key)) for key, v in last[0].items()), reverse=True)[: k + 1]
+                for j, (value, tid) in enumerate(pairs):
+                    ids[n - 1, j], vals[n - 1, j] = tid, value
+                present[n - 1] = True
+            out.append(TokenLogprobs(tokens, self.vocab_size, topk_ids=ids, topk_logprobs=vals, present=present))
+        return out
+
+    def _score_llama_server(self, tokens: list[int], k: int) -> TokenLogprobs:
+        """One n_predict=1 request per prefix: llama-server returns no prompt log-probs."""
+        n = len(tokens)
+        ids = np.full((n, k), -1, dtype=np.int64)
+        vals = np.full((n, k), -np.inf)
+        for t in range(n):
+            probs = self._llama_server_step(tokens[: t + 1], k)
+            for j, (tid, value) in enumerate(probs[:k]):
+                ids[t, j], vals[t, j] = tid, value
+        return TokenLogprobs(tokens, self.vocab_size, topk_ids=ids, topk_logprobs=vals)
+
+    def _llama_server_step(self, prefix: list[int], k: int, n_predict: int = 1) -> list:
+        answer = self.client.post("/completion", {"prompt": prefix, "n_predict": n_predict, "n_probs": k,
+                                                  "temperature": 0.0, "cache_prompt": True, "samplers": ["top_k"],
+                                                  "top_k": 1})
+        steps = _field(answer, "completion_probabilities")
+        if n_predict == 1:
+            return _llama_server_probs(_field(steps, 0))
+        return steps
+
+    # ---- generation ------------------------------------------------------------------------
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, *, top_k: int | None = None) -> Generation:
+        prompt = [int(t) for t in prompt]
+        k = min(top_k or self.options.top_k, self.options.top_k)
+        n = len(prompt) + max_new_tokens
+        ids = np.full((n, k + 1), -1, dtype=np.int64)
+        vals = np.full((n, k + 1), -np.inf)
+        generated: list[int] = []
+        if self.kind == "llama-server":
+            steps = self._llama_server_step(prompt, k, n_predict=max_new_tokens)
+            for s, step in enumerate(steps):
+                generated.append(int(_field(step, "id")))
+                for j, (tid, value) in enumerate(_llama_server_probs(step)[:k]):
+                    ids[len(prompt) - 1 + s, j], vals[len(prompt) - 1 + s, j] = tid, value
+        else:
+            body: dict[str, Any] = {"max_tokens": max_new_tokens, "temperature": 0.0, "logprobs": k, "seed": 0}
+            if self.model_id:
+                body["model"] = self.model_id
+            if self.kind == "vllm":
+                body.update(prompt=prompt, return_tokens_as_token_ids=True, ignore_eos=True)
+            else:
+                body.update(prompt=self._text_of(prompt), top_k=1)
+            choice = _field(self.client.post("/v1/completions", body), "choices", 0)
+            lp = _field(choice, "logprobs")
+            for s, (tok, top) in enumerate(zip(_field(lp, "tokens"), _field(lp, "top_logprobs"))):
+                tid = _vllm_token_id(tok) if self.kind == "vllm" else self._id_of_key(tok)
+                if tid is None:
+                    raise Unsupported(f"generated token text {tok!r} does not map back to one token id")
+                generated.append(tid)
+                pairs = []
+                for key, value in (top or {}).items():
+                    kid = _vllm_token_id(key) if self.kind == "vllm" else self._id_of_key(key)
+                    if kid is not None:
+                        pairs.append((float(value), kid))
+                for j, (value, kid) in enumerate(sorted(set(pairs), reverse=True)[: k + 1]):
+                    ids[len(prompt) - 1 + s, j], vals[len(prompt) - 1 + s, j] = kid, value
+            if self.kind == "llama-cpp-python":
+                self._texts[tuple(prompt + generated)] = self._text_of(prompt) + str(choice.get("text", ""))
+        m = len(generated)
+        seq = prompt + generated
+        present = np.zeros(len(seq), dtype=bool)
+        present[len(prompt) - 1:len(prompt) - 1 + m] = True
+        steps = TokenLogprobs(seq, self.vocab_size, topk_ids=ids[: len(seq)], topk_logprobs=vals[: len(seq)],
+                              present=present)
+        return Generation(np.array(prompt), np.array(generated, dtype=np.int64), steps)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "server": self.client.base_url, "dialect": self.kind, "model": self.model_id}
+
+
+def _vllm_token_id(key: str) -> int | None:
+    """vLLM's ``return_tokens_as_token_ids`` keys look like ``token_id:123``."""
+    key = str(key)
+    if key.startswith("token_id:") and key[9:].lstrip("-").isdigit():
+        return int(key[9:])
+    return None
+
+
+def _llama_server_probs(step: Any) -> list[tuple[int, float]]:
+    """[(id, logprob)] from one llama-server completion_probabilities entry (old and new formats)."""
+    if "top_logprobs" in step:
+        return [(int(e["id"]), float(e["logprob"])) for e in step["top_logprobs"]]
+    return [(int(e["id"]), math.log(max(float(e["prob"]), 1e-45))) for e in _field(step, "probs")]
+
+
+def _vocab_from(model_path: str | Path | None) -> tuple[int | None, int | None]:
+    """(vocabulary size, BOS id) from the GGUF metadata, or (None, None) without a file."""
+    if model_path is None:
+        return None, None
+    from ggufcheck.gguf.reader import open_gguf
+
+    with open_gguf(model_path) as model:
+        tokens = model.get("tokenizer.ggml.tokens")
+        bos = model.get("tokenizer.ggml.bos_token_id")
+        return (len(tokens) if tokens is not None else None), (int(bos) if bos is not None else None)

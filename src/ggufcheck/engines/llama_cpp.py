@@ -1,0 +1,227 @@
+"""``--engine llama-cpp``: llama.cpp in process through llama-cpp-python.
+
+Full-vocabulary logits at every position (``logits_all=True``), greedy decoding one token
+per ``llama_decode`` (the decode path, distinct from the batched prefill), chunked prefill
+by limiting how many tokens each ``eval`` call submits, and per-layer tensors through
+llama.cpp's scheduler evaluation callback (``cb_eval``) set on a second context of the
+same loaded model. llama_cpp is imported only when this engine is opened.
+
+llama.cpp on CPU quantizes activations to 8-bit blocks before a matmul with quantized
+weights, so its numerical class is "q8" (see ``checks.logits`` for that allowance).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from ggufcheck.engines.base import (
+    LAYER_KINDS,
+    Capabilities,
+    Engine,
+    Generation,
+    LayerTrace,
+    TokenLogprobs,
+    Unsupported,
+    log_softmax,
+    reasons,
+)
+from ggufcheck.errors import Unavailable
+
+# llama.cpp graph node names (``cb(cur, "<name>", il)`` in src/models/*.cpp) per layer kind.
+NODE_KINDS = {
+    "l_out": "residual",  # the residual stream after the layer
+    "attn_out": "attention",
+    "ffn_out": "ffn",
+    "ffn_moe_out": "moe",
+    "ffn_moe_topk": "router",  # int32 expert ids chosen per token
+}
+GGML_TYPE_F32 = 0
+GGML_TYPE_I32 = 26
+
+
+class _GGMLTensorHead(ctypes.Structure):
+    """The leading fields of ``struct ggml_tensor`` (ggml.h); the rest is read via ggml calls."""
+
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * 4),
+        ("nb", ctypes.c_size_t * 4),
+    ]
+
+
+class LlamaCppEngine(Engine):
+    """llama.cpp in process. ``n_ctx`` bounds the longest sequence scored."""
+
+    def __init__(self, model_path: str | Path, *, n_ctx: int = 2048, n_threads: int | None = None,
+                 n_batch: int = 512, seed: int = 0, **kwargs: Any):
+        try:
+            import llama_cpp
+        except ImportError as err:  # pragma: no cover - depends on the environment
+            raise Unavailable(f"llama-cpp-python is not installed ({err})",
+                              tip="pip install llama-cpp-python") from err
+        self._lib = llama_cpp
+        self.model_path = str(model_path)
+        threads = n_threads or max(1, min(8, os.cpu_count() or 1))
+        self._llm = llama_cpp.Llama(
+            model_path=self.model_path, n_ctx=n_ctx, n_batch=n_batch, n_threads=threads,
+            n_threads_batch=threads, logits_all=True, seed=seed, verbose=False, **kwargs,
+        )
+        self.n_ctx = n_ctx
+        self.n_batch = n_batch
+        self.vocab_size = int(self._llm.n_vocab())
+        self.name = f"llama-cpp ({Path(self.model_path).name})"
+        self.capabilities = Capabilities(
+            tokenize=True, score=True, full_vocab=True, max_top_k=self.vocab_size, generate=True,
+            batch=False, chunked_prefill=True,
+            layer_outputs=frozenset(NODE_KINDS.values()), activation_dtype="q8",
+            reasons=reasons(
+                batch="llama-cpp-python's Llama object decodes one sequence at a time",
+                weights="llama-cpp-python exposes no loaded-tensor access by HF name",
+            ),
+        )
+
+    # ---- tokenization ---------------------------------------------------------------
+    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        return list(self._llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=True))
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self._llm.detokenize([int(t) for t in tokens]).decode("utf-8", errors="replace")
+
+    # ---- scoring ------------------------------------------------------------------------
+    def _check_length(self, n: int) -> None:
+        if n > self.n_ctx:
+            raise Unsupported(f"sequence of {n} tokens exceeds this engine's n_ctx={self.n_ctx}")
+        if n == 0:
+            raise ValueError("cannot score an empty token sequence")
+
+    def _table(self, tokens: Sequence[int]) -> TokenLogprobs:
+        n = len(tokens)
+        logits = np.array(self._llm.scores[:n], dtype=np.float32)  # [T, V] copy
+        return TokenLogprobs(tokens, self.vocab_size, log_softmax(logits).astype(np.float32))
+
+    def score(self, tokens: Sequence[int], *, top_k: int = 20) -> TokenLogprobs:
+        tokens = [int(t) for t in tokens]
+        self._check_length(len(tokens))
+        self._llm.reset()
+        self._llm.eval(tokens)
+        return self._table(tokens)
+
+    def score_chunked(self, tokens: Sequence[int], chunk_size: int, *, top_k: int = 20) -> TokenLogprobs:
+        tokens = [int(t) for t in tokens]
+        self._check_length(len(tokens))
+        if not 1 <= chunk_size <= self.n_batch:
+            raise Unsupported(f"chunk size {chunk_size} outside 1..n_batch={self.n_batch}")
+        self._llm.reset()
+        for start in range(0, len(tokens), chunk_size):
+            self._llm.eval(tokens[start:start + chunk_size])  # one llama_decode per chunk
+        return self._table(tokens)
+
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, *, top_k: int = 20) -> Generation:
+        prompt = [int(t) for t in prompt]
+        self._check_length(len(prompt) + max_new_tokens)
+        self._llm.reset()
+        self._llm.eval(prompt)
+        n_total = len(prompt) + max_new_tokens
+        table = np.zeros((n_total, self.vocab_size), dtype=np.float32)  # [T, V]
+        generated: list[int] = []
+        for step in range(max_new_tokens):
+            row = len(prompt) + step - 1
+            logits = np.array(self._llm.scores[self._llm.n_tokens - 1], dtype=np.float32)
+            table[row] = log_softmax(logits[None])[0]
+            token = int(np.argmax(logits))
+            generated.append(token)
+            if step + 1 < max_new_tokens:
+                self._llm.eval([token])  # one-token decode step
+        present = np.zeros(n_total, dtype=bool)
+        present[len(prompt) - 1:len(prompt) - 1 + max_new_tokens] = True
+        seq = prompt + generated
+        steps = TokenLogprobs(seq, self.vocab_size, table, present=present)
+        return Generation(np.array(prompt), np.array(generated), steps)
+
+    # ---- per-layer tensors through cb_eval ---------------------------------------------
+    def layer_outputs(self, tokens: Sequence[int], kinds: Sequence[str] = LAYER_KINDS) -> LayerTrace:
+        """Capture named graph nodes of one prefill through ``cb_eval`` on a fresh context."""
+        lib = self._lib
+        tokens = [int(t) for t in tokens]
+        self._check_length(len(tokens))
+        wanted = {name for name, kind in NODE_KINDS.items() if kind in kinds}
+        ggml = ctypes.CDLL(str(Path(lib.__file__).parent / "lib" / "libggml-base.so"))
+        ggml.ggml_get_name.restype = ctypes.c_char_p
+        ggml.ggml_get_name.argtypes = [ctypes.c_void_p]
+        ggml.ggml_nbytes.restype = ctypes.c_size_t
+        ggml.ggml_nbytes.argtypes = [ctypes.c_void_p]
+        ggml.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+        ggml.ggml_is_contiguous.restype = ctypes.c_bool
+        ggml.ggml_is_contiguous.argtypes = [ctypes.c_void_p]
+        captured: dict[tuple[str, int], list[np.ndarray]] = {}
+        names: dict[tuple[str, int], str] = {}
+
+        def key_of(name: str) -> tuple[str, int] | None:
+            base, _, layer = name.rpartition("-")
+            if base in wanted and layer.isdigit():
+                return NODE_KINDS[base], int(layer)
+            return None
+
+        @lib.ggml_backend_sched_eval_callback
+        def callback(tensor: int, ask: bool, _user: int) -> bool:
+            name = ggml.ggml_get_name(tensor).decode("utf-8", "replace")
+            key = key_of(name)
+            if ask:
+                return key is not None
+            if key is None:
+                return True
+            head = _GGMLTensorHead.from_address(tensor)
+            if head.type not in (GGML_TYPE_F32, GGML_TYPE_I32) or not ggml.ggml_is_contiguous(tensor):
+                return True
+            nbytes = ggml.ggml_nbytes(tensor)
+            dtype = np.float32 if head.type == GGML_TYPE_F32 else np.int32
+            buf = np.empty(nbytes // 4, dtype=dtype)
+            ggml.ggml_backend_tensor_get(tensor, buf.ctypes.data, 0, nbytes)
+            ne = [int(head.ne[i]) for i in range(4)]
+            # ggml ne0 is fastest: numpy order is [ne3, ne2, ne1, ne0]; tokens are ne1 here
+            arr = buf.reshape(ne[1], ne[0]) if ne[2] * ne[3] == 1 else buf.reshape(ne[::-1])  # [T, D]
+            captured.setdefault(key, []).append(arr.astype(np.float32))
+            names[key] = name
+            return True
+
+        params = lib.llama_context_default_params()
+        params.n_ctx = self.n_ctx
+        params.n_batch = params.n_ubatch = max(len(tokens), 1)
+        params.n_threads = params.n_threads_batch = self._llm.n_threads
+        params.cb_eval = callback
+        params.cb_eval_user_data = None
+        ctx = lib.llama_init_from_model(self._llm._model.model, params)
+        if not ctx:
+            raise Unsupported("llama.cpp refused a second context for the trace")
+        try:
+            batch = lib.llama_batch_init(len(tokens), 0, 1)
+            try:
+                batch.n_tokens = len(tokens)
+                for i, tok in enumerate(tokens):
+                    batch.token[i] = tok
+                    batch.pos[i] = i
+                    batch.n_seq_id[i] = 1
+                    batch.seq_id[i][0] = 0
+                    batch.logits[i] = True
+                if lib.llama_decode(ctx, batch) != 0:
+                    raise Unsupported("llama_decode failed during the layer trace")
+            finally:
+                lib.llama_batch_free(batch)
+        finally:
+            lib.llama_free(ctx)
+        if not captured:
+            raise Unsupported("llama.cpp's eval callback produced none of the named layer nodes")
+        tensors = {k: np.concatenate(v, axis=0) if len(v) > 1 else v[0] for k, v in captured.items()}
+        return LayerTrace(np.array(tokens), tensors, names)
+
+    def close(self) -> None:
+        llm = getattr(self, "_llm", None)
+        if llm is not None:
+            llm.close()
+            self._llm = None
