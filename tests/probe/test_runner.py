@@ -1,0 +1,131 @@
+"""The probe protocol: the real probe in this interpreter, and interpreters that fail."""
+
+from __future__ import annotations
+
+import os
+import platform
+import stat
+import sys
+import textwrap
+import time
+
+import pytest
+
+from ggufcheck.checks.environment import EnvOptions, run_environment_stage
+from ggufcheck.checks.kernels import KernelOptions, run_plan
+from ggufcheck.errors import ExitStatus
+from ggufcheck.probe.runner import ProbeFailed, ProbeTarget, physical_device, run_probe
+from ggufcheck.results import Status
+
+
+def _fake_python(tmp_path, body: str, name: str = "python") -> str:
+    """An 'interpreter' that is a shell script: it ignores the probe and does ``body``."""
+    path = tmp_path / name
+    path.write_text("#!/bin/sh\n" + textwrap.dedent(body))
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return str(path)
+
+
+def test_real_env_probe_in_this_interpreter():
+    options = EnvOptions(target=ProbeTarget(sys.executable, 0),
+                         packages=("json", "ggufcheck_surely_missing_pkg"), scan_extensions=False)
+    report = run_environment_stage(options)
+    by = {r.check: r for r in report.results}
+    assert platform.python_version() in by["environment.python"].message
+    assert by["environment.package.json"].status == Status.PASS
+    assert by["environment.package.ggufcheck_surely_missing_pkg"].status == Status.SKIP
+    assert by["environment.torch"].status == Status.PASS
+
+
+def test_probe_sees_only_the_chosen_device():
+    script_out = run_probe("ggufcheck_probe_env.py", {"packages": [], "scan_extensions": False},
+                           ProbeTarget(sys.executable, 0, extra_env=()))
+    assert script_out.done and script_out.returncode == 0
+    assert physical_device(1, "4,5,6") == "5"
+    assert physical_device(2, None) == "2"
+    with pytest.raises(ProbeFailed):
+        physical_device(3, "4,5")
+
+
+def test_nonexistent_interpreter_is_a_usage_error():
+    with pytest.raises(ProbeFailed, match="not found") as info:
+        run_environment_stage(EnvOptions(target=ProbeTarget("/nonexistent/bin/python3")))
+    assert info.value.exit_status == ExitStatus.USAGE
+
+
+def test_crashing_interpreter_reports_its_stderr_tail(tmp_path):
+    python = _fake_python(tmp_path, """\
+        echo "Fatal Python error: init_fs_encoding: failed to get the Python codec" >&2
+        exit 1
+        """)
+    with pytest.raises(ProbeFailed) as info:
+        run_environment_stage(EnvOptions(target=ProbeTarget(python)))
+    assert "init_fs_encoding" in str(info.value)
+    assert "exit status 1" in str(info.value)
+    assert info.value.exit_status == ExitStatus.USAGE
+
+
+def test_interpreter_killed_by_a_signal(tmp_path):
+    python = _fake_python(tmp_path, "echo 'about to die' >&2\nkill -SEGV $$\n")
+    with pytest.raises(ProbeFailed, match="SIGSEGV"):
+        run_environment_stage(EnvOptions(target=ProbeTarget(python)))
+
+
+def test_hanging_interpreter_times_out_and_is_killed(tmp_path):
+    python = _fake_python(tmp_path, "sleep 60 &\nsleep 60\n")  # a child holds the pipes too
+    started = time.monotonic()
+    out = run_probe("ggufcheck_probe_env.py", {}, ProbeTarget(python), idle_timeout=1.0)
+    assert time.monotonic() - started < 15
+    assert out.timed_out and "no message for 1 s" in out.timed_out
+    with pytest.raises(ProbeFailed, match="timed out"):
+        out.require_done(python)
+
+
+def test_library_prints_cannot_corrupt_the_channel():
+    out = run_probe("ggufcheck_probe_env.py", {"packages": ["this"], "scan_extensions": False})
+    assert out.done  # `import this` prints the Zen of Python to stdout, in the child
+
+
+def _protocol_emulator(tmp_path, crash_case: str, mode: str) -> str:
+    """A fake interpreter speaking the kernel protocol: dies (or hangs) in ``crash_case``."""
+    py = tmp_path / "emulator.py"
+    py.write_text(textwrap.dedent(f"""\
+        import json, os, signal, sys, time
+        req = json.load(sys.stdin)
+        P = "@@ggufcheck-probe@@ "
+        for c in req["cases"]:
+            print(P + json.dumps({{"type": "start", "case": c["id"]}}), flush=True)
+            if c["id"] == {crash_case!r}:
+                if {mode!r} == "segv":
+                    sys.stderr.write("illegal memory access\\n"); sys.stderr.flush()
+                    os.kill(os.getpid(), signal.SIGSEGV)
+                time.sleep(60)
+            print(P + json.dumps({{"type": "result", "case": c["id"], "kind": c["kind"],
+                                   "status": "PASS", "tier": "agrees", "message": "ok",
+                                   "stats": {{}}}}), flush=True)
+        print(P + json.dumps({{"type": "done"}}), flush=True)
+        """))
+    return _fake_python(tmp_path, f'exec "{sys.executable}" "{py}"\n', name="python-emulator")
+
+
+@pytest.mark.parametrize("mode", ["segv", "hang"])
+def test_a_case_that_kills_the_probe_fails_and_the_rest_still_run(tmp_path, mode):
+    plan = [{"id": f"fake.{i}", "kind": "fake"} for i in range(4)]
+    python = _protocol_emulator(tmp_path, "fake.1", mode)
+    options = KernelOptions(target=ProbeTarget(python), case_timeout_s=2.0)
+    answers, info = run_plan(plan, options, None)
+    by = {a["case"]: a for a in answers}
+    assert set(by) == {"fake.0", "fake.1", "fake.2", "fake.3"}
+    assert by["fake.1"]["status"] == "FAIL" and by["fake.1"]["tier"] == "runs"
+    assert ("SIGSEGV" in by["fake.1"]["message"]) if mode == "segv" else ("timed out" in by["fake.1"]["message"])
+    assert all(by[c]["status"] == "PASS" for c in ("fake.0", "fake.2", "fake.3"))
+    assert info["restarts"] == 1
+
+
+def test_probe_scripts_import_no_ggufcheck():
+    from ggufcheck.probe.runner import SCRIPTS
+
+    for script in SCRIPTS.glob("ggufcheck_*.py"):
+        text = script.read_text()
+        assert "import ggufcheck." not in text and "from ggufcheck." not in text, script.name
+    assert os.path.isfile(SCRIPTS / "ggufcheck_probe_kernels.py")
