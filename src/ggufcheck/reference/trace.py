@@ -132,7 +132,7 @@ class Trace:
                 value = getattr(layer, f.name)
                 if isinstance(value, Tensor):
                     tensors[f"layers.{i}.{f.name}"] = value
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tensors_path))
+        save_file({k: v.detach().cpu().clone() for k, v in tensors.items()}, str(tensors_path))  # clone: shared layers alias top-k
         meta = dict(self.meta, tokens=self.tokens, dtype=self.dtype,
                     topk_full=[layer.topk_full for layer in self.layers], n_layer=len(self.layers))
         meta_path.write_text(json.dumps(meta, indent=1) + "\n")
@@ -150,10 +150,13 @@ class Trace:
         try:
             meta = json.loads(meta_path.read_text())
             tensors = load_file(str(tensors_path))
-        except (ValueError, OSError) as err:
+        except Exception as err:  # json / safetensors errors (SafetensorError is not an OSError)
             raise BadFileError(tensors_path, f"not a readable trace: {err}") from None
         if meta.get("format") != TRACE_FORMAT:
             raise BadFileError(meta_path, f"trace format {meta.get('format')!r}, expected {TRACE_FORMAT}")
+        missing = [k for k in ("tokens", "dtype", "n_layer", "topk_full") if k not in meta]
+        if missing or "embeddings" not in tensors or "logprobs" not in tensors:
+            raise BadFileError(meta_path, f"incomplete trace (missing {missing or 'tensors'})")
         layers = []
         for i in range(meta["n_layer"]):
             parts = {f.name: tensors.get(f"layers.{i}.{f.name}") for f in fields(LayerTrace) if f.name != "topk_full"}

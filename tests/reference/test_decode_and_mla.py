@@ -1,0 +1,91 @@
+"""Internal consistency of the reference: step-by-step decode through the KV cache (MLA:
+the latent cache) equals prefill at every position; MLA's naive and absorbed forms agree;
+streaming (one layer in memory) equals resident weights; replaying one layer from a trace
+reproduces it."""
+
+import pytest
+import torch
+
+from ggufcheck.reference import KVCache, ReferenceModel, Trace
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "glm4moe", "deepseek2-yarn", "glm-dsa-shared"])
+def test_decode_equals_prefill(arch, tiny, prompt):
+    tokens = prompt(14)  # > top_k (6) of glm-dsa-shared: decode steps use the sparse mask
+    with ReferenceModel(tiny(arch).gguf_path, dtype="fp64") as ref:
+        prefill = ref.prefill(tokens, trace=False)
+        decode = ref.decode(tokens)
+        # a prompt chunk then decode steps, through one cache
+        cache = KVCache()
+        head, _, _ = ref.forward(tokens[:5], cache)
+        rest = ref.decode(tokens[5:], cache)
+    assert decode.shape == prefill.shape
+    assert (decode - prefill).abs().max() < 1e-10
+    assert (torch.cat([head, rest]) - prefill).abs().max() < 1e-10
+
+
+@pytest.mark.parametrize("arch", ["deepseek2", "glm-dsa-shared"])
+def test_mla_absorbed_equals_naive(arch, tiny, prompt):
+    tokens = prompt(12)
+    path = tiny(arch).gguf_path
+    with ReferenceModel(path, dtype="fp64", mla_form="naive") as naive, \
+            ReferenceModel(path, dtype="fp64", mla_form="absorbed") as absorbed:
+        a, b = naive.prefill(tokens), absorbed.prefill(tokens)
+        step = absorbed.decode(tokens[:6])
+        short = naive.prefill(tokens[:6], trace=False)
+    for la, lb in zip(a.layers, b.layers):
+        assert (la.attn_out - lb.attn_out).abs().max() < 1e-11 * la.attn_out.abs().max()
+    assert (a.logprobs - b.logprobs).abs().max() < 1e-10
+    assert (step - short).abs().max() < 1e-10
+
+
+def test_fp32_close_to_fp64(tiny, prompt):
+    tokens = prompt(10)
+    path = tiny("glm4moe").gguf_path
+    with ReferenceModel(path, dtype="fp64") as r64, ReferenceModel(path, dtype="fp32") as r32:
+        lp64, lp32 = r64.prefill(tokens).logprobs, r32.prefill(tokens).logprobs
+    assert lp32.dtype == torch.float32
+    assert (lp64 - lp32.double()).abs().max() < 1e-4
+
+
+def test_streaming_equals_resident(tiny, prompt):
+    tokens = prompt(10)
+    path = tiny("glm-dsa").gguf_path
+    with ReferenceModel(path, streaming=True) as s, ReferenceModel(path, streaming=False) as r:
+        ts, tr = s.prefill(tokens), r.prefill(tokens)
+        assert not s.weights._layers and r.weights._layers  # streaming kept no layer
+    assert torch.equal(ts.logprobs, tr.logprobs)
+
+
+@pytest.mark.parametrize("arch", ["glm4moe", "glm-dsa-shared"])
+def test_trace_save_load_and_replay(arch, tiny, prompt, tmp_path):
+    tokens = prompt(12)
+    with ReferenceModel(tiny(arch).gguf_path, dtype="fp64") as ref:
+        trace = ref.prefill(tokens)
+        files = trace.save(tmp_path / "golden")
+        assert [f.suffix for f in files] == [".safetensors", ".json"]
+        loaded = Trace.load(tmp_path / "golden.safetensors")
+        assert loaded.tokens == tokens and loaded.dtype == "fp64"
+        assert loaded.meta["model_fingerprint"]["method"] == "sha256"
+        assert loaded.meta["model_fingerprint"] == trace.meta["model_fingerprint"]
+        assert torch.equal(loaded.logprobs, trace.logprobs)
+        for i, (a, b) in enumerate(zip(trace.layers, loaded.layers)):
+            assert a.topk_full == b.topk_full
+            for name in ("after_attn", "hidden", "attn_out", "ffn_out", "expert_ids", "expert_weights", "topk"):
+                x, y = getattr(a, name), getattr(b, name)
+                assert (x is None and y is None) or torch.equal(x, y), (i, name)
+            out = loaded.replay(ref, i)  # one layer on the recorded input
+            assert torch.equal(out.hidden, a.hidden), i
+            if a.topk is not None:
+                assert torch.equal(out.topk, a.topk)
+
+
+def test_trace_load_errors(tmp_path):
+    from ggufcheck.errors import BadFileError
+
+    with pytest.raises(BadFileError, match="not found"):
+        Trace.load(tmp_path / "missing")
+    (tmp_path / "bad.safetensors").write_bytes(b"\x00" * 16)
+    (tmp_path / "bad.json").write_text('{"format": 1, "n_layer": 0}')
+    with pytest.raises(BadFileError):
+        Trace.load(tmp_path / "bad")
