@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -35,8 +37,9 @@ from ggufcheck.testing.models import cache_dir as _default_cache_dir
 from ggufcheck.testing.models import smollm2_path
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
-# Bump when a config below or the build procedure changes: it is part of every cache key.
-BUILD_VERSION = "1"
+# Part of every cache key, with a fingerprint of the arch's config (so editing a config
+# below invalidates its cached files by itself). Bump when the build procedure changes.
+BUILD_VERSION = "2"
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 VOCAB_SIZE = 49152  # SmolLM2's vocabulary, copied into every converted file
 
@@ -255,7 +258,7 @@ def tiny_converted(arch: str, outtype: str = "f32", cache_dir: str | Path | None
     root = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
     root = root / "tiny-converted"
     root.mkdir(parents=True, exist_ok=True)
-    key = f"{arch}-s{seed}-v{BUILD_VERSION}"
+    key = f"{arch}-s{seed}-v{BUILD_VERSION}-{_fingerprint(arch)}"
     hf_dir = root / f"{key}-hf"
     gguf_path = root / f"{key}-{outtype}.gguf"
     if not (hf_dir / "config.json").is_file():
@@ -293,6 +296,12 @@ def _lock(path: Path):
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _fingerprint(arch: str) -> str:
+    """8 hex digits identifying the arch's HF config (its class names and kwargs)."""
+    text = json.dumps(HF_CONFIGS[arch], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
 def _tail(text: str, lines: int = 15) -> str:
