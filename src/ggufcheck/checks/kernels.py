@@ -41,7 +41,7 @@ def _cpu_shape(shape: dict) -> dict:
     ratio = shape["h"] // shape["g"]  # query heads per kv head, kept
     heads = max(2, shape["h"] // 8)
     if shape["g"] > 1:
-        heads = max(ratio, heads - heads % ratio)
+        heads = max(2 * ratio, heads - heads % ratio)
     small = dict(shape, h=heads, g=1 if shape["g"] == 1 else heads // ratio,
                  t=min(shape["t"], 64), s=min(shape["s"], 128))
     if small["causal"]:
@@ -96,7 +96,7 @@ def build_plan(shapes: ModelShapes | None = None, options: KernelOptions = Kerne
                     plan.append(_spec("sdpa", when, device, dt, f"{backend}.{a['name']}",
                                       shape=a, backend=backend))
         for a in attn:
-            if a["t"] != a["s"] or a["g"] == 1:
+            if a["t"] != a["s"]:
                 continue  # varlen cases: prefill shapes
             for source in ("flash_attn", "vllm.vllm_flash_attn"):
                 plan.append(_spec("varlen", when, device, dtypes[0], f"{source}.{a['name']}",
@@ -104,9 +104,9 @@ def build_plan(shapes: ModelShapes | None = None, options: KernelOptions = Kerne
                                   source=source))
         hidden = shapes.hidden if shapes else 7168
         dims = [hidden] + ([shapes.mla[2]] if shapes and shapes.mla else [] if shapes else [512])
-        for dim in dims:
+        for dim in _unique(dims):
             for impl in ("torch", "vllm"):
-                for dt in (*dtypes, "float32") if "float32" not in dtypes else dtypes:
+                for dt in _unique([*dtypes, "float32"]):
                     plan.append(_spec("rmsnorm", when, device, dt, f"{impl}.{dim}", impl=impl,
                                       shape={"dim": dim, "rows": 64 if when == "cuda" else 16,
                                              "eps": shapes.eps if shapes else 1e-6}))
@@ -122,14 +122,14 @@ def build_plan(shapes: ModelShapes | None = None, options: KernelOptions = Kerne
         experts = shapes.experts if shapes and shapes.experts else 256
         used = shapes.experts_used if shapes and shapes.experts_used else 8
         gating = shapes.gating if shapes and shapes.experts else "sigmoid"
-        for dt in ("float32", dtypes[0]):
+        for dt in _unique(["float32", dtypes[0]]):
             plan.append(_spec("router", when, device, dt, f"{gating}.{experts}x{used}",
                               shape={"t": 256 if when == "cuda" else 32, "dim": hidden,
                                      "experts": experts, "k": used, "gating": gating}))
         hi, di, top_k = shapes.indexer if shapes and shapes.indexer else (32, 128, 2048)
-        t_idx = 4096 if when == "cuda" else 96
-        k_idx = min(top_k, t_idx // 2) if when == "cuda" else 16
-        for dt in ("float32", dtypes[0]):
+        t_idx = 1024 if when == "cuda" else 96  # queries = keys; (T, Hi, S) scores materialised
+        k_idx = min(top_k, t_idx // 4) if when == "cuda" else 16
+        for dt in _unique(["float32", dtypes[0]]):
             plan.append(_spec("indexer", when, device, dt, f"{hi}x{di}.top{k_idx}",
                               shape={"t": t_idx, "heads": hi, "dim": di, "top_k": k_idx}))
         for dt in dtypes:
@@ -145,7 +145,13 @@ def build_plan(shapes: ModelShapes | None = None, options: KernelOptions = Kerne
                 plan.append(_spec("ggml_matmul", when, device, dtypes[0], f"{op}.{qtype}", op=op, qtype=qtype))
     if options.only:
         plan = [p for p in plan if p["kind"] in options.only]
+    ids = [p["id"] for p in plan]
+    assert len(ids) == len(set(ids)), "case ids must be unique: crash tracking relies on them"
     return plan
+
+
+def _unique(values):
+    return list(dict.fromkeys(values))
 
 
 DEFAULT_QTYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")

@@ -23,6 +23,7 @@ class EnvCliOptions:
     json: Path | None
     verbose: bool
     scan: bool
+    cuobjdump_budget: float
 
 
 def add_target_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,14 +45,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", type=Path, help="write every result to this JSON file")
     p.add_argument("--no-scan", dest="scan", action="store_false",
                    help="skip reading the fatbinaries of compiled extensions")
+    p.add_argument("--cuobjdump-budget", type=float, default=120.0, metavar="S",
+                   help="seconds of cuobjdump cross-checks at most (default 120; 0: none)")
     p.add_argument("-v", "--verbose", action="store_true", help="list passing checks too")
 
 
 def run(args: argparse.Namespace) -> int:
-    options = EnvCliOptions(args.python, args.device, args.json, args.verbose, args.scan)
+    options = EnvCliOptions(args.python, args.device, args.json, args.verbose, args.scan,
+                            args.cuobjdump_budget)
     console = Console()
     stage = run_environment_stage(EnvOptions(target=ProbeTarget(options.python, options.device),
-                                             scan_extensions=options.scan))
+                                             scan_extensions=options.scan,
+                                             cuobjdump_budget_s=options.cuobjdump_budget))
     render_stage(console, stage, verbose=options.verbose)
     render_totals(console, [stage])
     if options.json:

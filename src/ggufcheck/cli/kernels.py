@@ -12,13 +12,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
 
 from ggufcheck.checks.kernels import KernelOptions, run_kernel_stage
 from ggufcheck.cli.env import add_target_arguments
 from ggufcheck.errors import ExitStatus, UsageError
 from ggufcheck.probe.runner import ProbeTarget
 from ggufcheck.report.json import report_json, write_json
-from ggufcheck.report.text import render_stage, render_totals
+from ggufcheck.report.text import render_stage, render_totals, status_text
+from ggufcheck.results import StageReport, Status
 
 KINDS = ("sdpa", "varlen", "rmsnorm", "rope", "router", "indexer", "linear", "dequant", "ggml_matmul")
 
@@ -63,7 +66,10 @@ def run(args: argparse.Namespace) -> int:
                                            case_timeout_s=options.case_timeout))
     for key, note in (stage.info.get("data") or {}).items():
         console.print(f"[dim]data {key}: {note}[/]")
-    render_stage(console, stage, verbose=options.verbose)
+    if options.verbose:
+        render_stage(console, stage, verbose=True)
+    else:
+        render_compact(console, stage)
     render_totals(console, [stage])
     if options.json:
         write_json(options.json, report_json("kernels", [stage], python=options.python,
@@ -71,3 +77,33 @@ def run(args: argparse.Namespace) -> int:
                                              model=str(options.model) if options.model else None))
         console.print(f"JSON report: {options.json}")
     return int(ExitStatus.FINDINGS if stage.failures else ExitStatus.HEALTHY)
+
+
+def render_compact(console: Console, stage: StageReport) -> None:
+    """Failures in full; passes counted per kind with the worst error; skips grouped by reason."""
+    table = Table(title=f"stage: {stage.stage}  {status_text(stage.status)}", title_justify="left")
+    table.add_column("status", no_wrap=True)
+    table.add_column("check", no_wrap=True)
+    table.add_column("message", overflow="fold")
+    for r in stage.results:
+        if r.status in (Status.FAIL, Status.ERROR):
+            table.add_row(status_text(r.status), r.check, escape(r.message))
+    by_kind: dict[str, list] = {}
+    for r in stage.results:
+        by_kind.setdefault(r.check, []).append(r)
+    for check, results in by_kind.items():
+        passes = [r for r in results if r.status == Status.PASS]
+        if passes:
+            rated = [r for r in passes if "rel_l2" in r.stats and "tol" in r.stats]
+            worst = max(rated, key=lambda r: r.stats["rel_l2"] / max(r.stats["tol"], 1e-300), default=None)
+            note = (f"; closest to its tolerance: {worst.message.split(' | ')[0]} "
+                    f"(rel err {worst.stats['rel_l2']:.3g}, tol {worst.stats['tol']:.3g})") if worst else ""
+            table.add_row(status_text(Status.PASS), check, f"{len(passes)} cases{note}")
+        reasons: dict[str, int] = {}
+        for r in results:
+            if r.status == Status.SKIP:
+                reason = r.message.split(" | ", 1)[-1]
+                reasons[reason] = reasons.get(reason, 0) + 1
+        for reason, n in reasons.items():
+            table.add_row(status_text(Status.SKIP), check, escape(f"{n} case(s): {reason}"))
+    console.print(table)
