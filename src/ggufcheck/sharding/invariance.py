@@ -33,7 +33,7 @@ from ggufcheck.sharding.dist import DistOptions, LocalContext, RanksFailed, reso
 from ggufcheck.sharding.mla import VLLM_LAYOUT, KvBLayout
 from ggufcheck.sharding.parallel import LayerJob, RunPayload, rank_run, rope_tables, run_job
 from ggufcheck.sharding.plan import kind_problems
-from ggufcheck.sharding.rules import Loader, pad_vocab, shard
+from ggufcheck.sharding.rules import Loader, ShardRule, pad_vocab, shard
 
 COMPONENT = "sharding"
 RTOL = 1e-9
@@ -71,39 +71,46 @@ def make_jobs(cfg: ReferenceConfig, layer_weights: Any, opts: InvarianceOptions)
     def want(kind: str) -> bool:
         return wanted is None or kind in wanted
 
+    def weights(kind: str, layer: int | None, prefixes: tuple[str, ...]) -> dict[str, Tensor] | None:
+        try:
+            return layer_weights(layer, prefixes)
+        except LayerTooLarge as err:
+            opts.skipped.append(skipped(f"sharding.tp.{kind}", COMPONENT, f"not run: {err}", layer=layer))
+            return None
+
     attn_names = ("attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm", "rope_freqs") if not cfg.is_mla \
         else ("attn_q_a", "attn_q_a_norm", "attn_q_b", "attn_q.", "attn_kv_a_mqa", "attn_kv_a_norm", "attn_k_b",
               "attn_v_b", "attn_kv_b", "attn_output")
     kind = "mla" if cfg.is_mla else "attention"
-    if want(kind):
-        w = layer_weights(0, attn_names)
+    if want(kind) and (w := weights(kind, 0, attn_names)) is not None:
         jobs.append(LayerJob(kind, 0, w, {"x": x, "pos": pos}, tensor="blk.0.attn_output.weight"))
     dense_layer = 0 if (not cfg.n_expert or cfg.n_dense_lead > 0) else None
     if want("dense_ffn") and dense_layer is not None:
-        w = layer_weights(dense_layer, ("ffn_gate.", "ffn_up.", "ffn_down."))
+        w = weights("dense_ffn", dense_layer, ("ffn_gate.", "ffn_up.", "ffn_down."))
         if w:
             jobs.append(LayerJob("dense_ffn", dense_layer, w, {"x": x, "pos": pos},
                                  tensor=f"blk.{dense_layer}.ffn_down.weight"))
     if want("moe") and cfg.n_expert and cfg.n_dense_lead < cfg.n_layer:
         moe_layer = cfg.n_dense_lead
-        w = layer_weights(moe_layer, ("ffn_gate_inp", "exp_probs_b", "ffn_gate_exps", "ffn_up_exps",
-                                      "ffn_gate_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_up_shexp",
-                                      "ffn_down_shexp"))
-        jobs.append(LayerJob("moe", moe_layer, w, {"x": x, "pos": pos}, tensor=f"blk.{moe_layer}.ffn_down_exps.weight"))
+        w = weights("moe", moe_layer, ("ffn_gate_inp", "exp_probs_b", "ffn_gate_exps", "ffn_up_exps",
+                                       "ffn_gate_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_up_shexp",
+                                       "ffn_down_shexp"))
+        if w is not None:
+            jobs.append(LayerJob("moe", moe_layer, w, {"x": x, "pos": pos}, tensor=f"blk.{moe_layer}.ffn_down_exps.weight"))
     if want("indexer") and cfg.has_indexer:
-        w = layer_weights(0, ("indexer.", "attn_q_a", "rope_freqs"))
-        if "indexer.attn_k.weight" in w:
+        w = weights("indexer", 0, ("indexer.", "attn_q_a", "rope_freqs"))
+        if w is not None and "indexer.attn_k.weight" in w:
             qr = rms_norm(linear(x, w.pop("attn_q_a.weight")), w.pop("attn_q_a_norm.weight"), cfg.lora_norm_eps)
             jobs.append(LayerJob("indexer", 0, w, {"x": x, "qr": qr, "pos": pos}, tensor="blk.0.indexer.attn_k.weight"))
-    globals_ = layer_weights(None, ("token_embd", "output."))
-    vocab = globals_["token_embd.weight"].shape[0]
-    if want("embedding"):
-        ids = _vocab_probe_ids(vocab, opts.tp, gen)
-        jobs.append(LayerJob("embedding", None, {"token_embd.weight": globals_["token_embd.weight"]},
-                             {"ids": ids, "pos": pos}, tensor="token_embd.weight"))
-    if want("lm_head"):
-        name = "output.weight" if "output.weight" in globals_ else "token_embd.weight"
-        jobs.append(LayerJob("lm_head", None, {name: globals_[name]}, {"x": x, "pos": pos}, tensor=name))
+    if want("embedding") and (w := weights("embedding", None, ("token_embd",))) is not None:
+        ids = _vocab_probe_ids(w["token_embd.weight"].shape[0], opts.tp, gen)
+        jobs.append(LayerJob("embedding", None, w, {"ids": ids, "pos": pos}, tensor="token_embd.weight"))
+    if want("lm_head") and (w := weights("lm_head", None, ("output.",))) is not None:
+        if not w:  # tied embeddings: the lm_head is token_embd
+            w = weights("lm_head", None, ("token_embd",))
+        if w is not None:
+            (name,) = w
+            jobs.append(LayerJob("lm_head", None, w, {"x": x, "pos": pos}, tensor=name))
     return jobs
 
 
@@ -117,26 +124,33 @@ def _vocab_probe_ids(vocab: int, tp: int, gen: torch.Generator) -> Tensor:
     return torch.tensor(sorted(edges), dtype=torch.int64)
 
 
-def gguf_layer_weights(model: Any, dtype: torch.dtype = torch.float64) -> Any:
+class LayerTooLarge(Exception):
+    """A layer kind's weights would not fit the CPU budget in fp64: the kind is skipped."""
+
+    def __init__(self, n_elements: int, budget: int):
+        super().__init__(f"{n_elements:,} weights in fp64 exceed the CPU budget of {budget:,} elements")
+
+
+def gguf_layer_weights(model: Any, dtype: torch.dtype = torch.float64,
+                       max_elements: int = 400_000_000) -> Any:
     """``layer_weights(layer, prefixes)`` over an open GGUF: dequantized full tensors by short
-    name (``blk.{layer}.`` removed; layer None = global tensors; ``rope_freqs`` is global)."""
+    name (``blk.{layer}.`` removed; layer None = global tensors; ``rope_freqs`` is global).
+    Raises :class:`LayerTooLarge` BEFORE reading anything when the selection is too big."""
     from ggufcheck.gguf.dequant import dequantize_tensor
 
     def layer_weights(layer: int | None, prefixes: tuple[str, ...]) -> dict[str, Tensor]:
-        out = {}
+        chosen = {}
         head = f"blk.{layer}." if layer is not None else ""
         for name in model.tensors:
             if layer is not None and name.startswith("rope_freqs") and "rope_freqs" in prefixes:
-                out[name] = dequantize_tensor(model, name, dtype=dtype)
-                continue
-            if layer is None and name.startswith("blk."):
-                continue
-            if not name.startswith(head):
-                continue
-            short = name[len(head):]
-            if short.startswith(prefixes):
-                out[short] = dequantize_tensor(model, name, dtype=dtype)
-        return out
+                chosen[name] = name
+            elif (layer is None) == (not name.startswith("blk.")) and name.startswith(head) \
+                    and name[len(head):].startswith(prefixes):
+                chosen[name[len(head):]] = name
+        n_el = sum(model.tensors[n].n_elements for n in chosen.values())
+        if n_el > max_elements:
+            raise LayerTooLarge(n_el, max_elements)
+        return {short: dequantize_tensor(model, name, dtype=dtype) for short, name in chosen.items()}
 
     return layer_weights
 
@@ -173,9 +187,9 @@ def unsharded(cfg: ReferenceConfig, job: LayerJob) -> dict[str, Tensor]:
 # --- comparing ------------------------------------------------------------------------------
 
 
-def _partial_diffs(cfg: ReferenceConfig, job: LayerJob, per_rank: list[dict[str, Any]], tp: int) -> list[float]:
+def _partial_diffs(cfg: ReferenceConfig, rules: dict[str, ShardRule], job: LayerJob, per_rank: list[dict[str, Any]], tp: int) -> list[float]:
     """Per rank: how far its collective inputs are from those of a known-good loader."""
-    good = RunPayload(cfg, [job], shard, VLLM_LAYOUT, collectives=False)
+    good = RunPayload(cfg, rules, [job], shard, VLLM_LAYOUT, collectives=False)
     out = []
     for r, got in enumerate(per_rank):
         want = run_job(LocalContext(r, tp, "local", torch.device("cpu")), good, job)["partials"]
@@ -185,7 +199,7 @@ def _partial_diffs(cfg: ReferenceConfig, job: LayerJob, per_rank: list[dict[str,
     return out
 
 
-def compare(cfg: ReferenceConfig, job: LayerJob, want: dict[str, Tensor], per_rank: list[dict[str, Any]],
+def compare(cfg: ReferenceConfig, rules: dict[str, ShardRule], job: LayerJob, want: dict[str, Tensor], per_rank: list[dict[str, Any]],
             tp: int, backend: str) -> list[Result]:
     """Sharded vs unsharded for one job: worst rank and element; padding and top-k extras."""
     kind = job.kind
@@ -217,7 +231,7 @@ def compare(cfg: ReferenceConfig, job: LayerJob, want: dict[str, Tensor], per_ra
     if idx:
         worst.update(sharded=float(per_rank[worst_rank]["out"][idx]), unsharded=float(ref[idx]))
     if worst_diff > tol:  # after an all-reduce every rank holds the same wrong sum: find who made it
-        partial_diff = _partial_diffs(cfg, job, per_rank, tp)
+        partial_diff = _partial_diffs(cfg, rules, job, per_rank, tp)
         bad_ranks = [r for r, d in enumerate(partial_diff) if d > tol]
         worst.update(partial_max_abs_diff_by_rank=partial_diff, ranks_with_wrong_partials=bad_ranks)
         if bad_ranks:
@@ -270,12 +284,14 @@ def _compare_topk(job: LayerJob, want: Tensor, per_rank: list[dict[str, Any]], t
 # --- the run --------------------------------------------------------------------------------
 
 
-def run_invariance(cfg: ReferenceConfig, jobs: list[LayerJob], opts: InvarianceOptions) -> list[Result]:
+def run_invariance(cfg: ReferenceConfig, rules: dict[str, ShardRule], jobs: list[LayerJob],
+                   opts: InvarianceOptions) -> list[Result]:
     """Run every runnable job sharded (one process group), compare each with the reference."""
     results: list[Result] = list(opts.skipped)
     runnable = []
     for job in jobs:
-        problems = kind_problems(cfg, {n: tuple(t.shape) for n, t in job.weights.items()}, opts.tp)
+        problems = kind_problems(rules, {n: tuple(t.shape) for n, t in job.weights.items()}, opts.tp,
+                                 cfg.n_head, 0 if cfg.is_mla else cfg.n_head_kv)
         n_el = sum(t.numel() for t in job.weights.values())
         if problems:
             results.append(skipped(f"sharding.tp.{job.kind}", COMPONENT,
@@ -289,14 +305,14 @@ def run_invariance(cfg: ReferenceConfig, jobs: list[LayerJob], opts: InvarianceO
         else:
             runnable.append(job)
     backend = resolve_backend(opts.backend, opts.tp)
-    payload = RunPayload(cfg, runnable, opts.loader, opts.kv_layout, opts.collectives)
+    payload = RunPayload(cfg, rules, runnable, opts.loader, opts.kv_layout, opts.collectives)
     try:
         per_rank = run_ranks(rank_run, payload, DistOptions(opts.tp, backend, opts.timeout_s))
     except RanksFailed as err:
         return results + [errored("sharding.tp.run", COMPONENT, f"the sharded run failed: {err.message}",
                                   stats={"tp": opts.tp, "backend": backend, "detail": err.detail[-2000:]})]
     for i, job in enumerate(runnable):
-        results.extend(compare(cfg, job, unsharded(cfg, job), [o["jobs"][i] for o in per_rank],
+        results.extend(compare(cfg, rules, job, unsharded(cfg, job), [o["jobs"][i] for o in per_rank],
                                opts.tp, backend))
     if opts.collectives:
         results.extend(collectives.check_collectives([o["collectives"] for o in per_rank], backend))

@@ -23,30 +23,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
 from torch import Tensor
 
+from ggufcheck.arch.transforms import kv_b_from_split
 from ggufcheck.results import Result, failed, passed
 from ggufcheck.sharding.rules import ShardRule, shard
 
 COMPONENT = "mla-kv-b"
-KV_B_RULE = ShardRule("column", 0, "kv_b_head")
+KV_B_RULE = ShardRule("column", 0)  # whole rows of [H*(P+V), L]: heads stay whole when H % tp == 0
 
 
 def rebuild_kv_b(k_b: Tensor, v_b: Tensor) -> Tensor:
     """HF kv_b_proj from the GGUF pair: k_b [H, L, P], v_b [H, V, L] -> [H*(P+V), L].
 
-    The exact inverse of llama.cpp's converter split (architectures.md sec 3). Uses the arch
-    helper's rebuild when it exists, so both code paths are the same one.
+    The exact inverse of llama.cpp's converter split (architectures.md sec 3): the arch
+    transform the HF rebuild uses, so the weights audit and this check share one definition.
     """
-    try:  # one implementation for the whole project once arch.rebuild lands
-        from ggufcheck.arch.rebuild import rebuild_kv_b as arch_rebuild  # type: ignore[attr-defined]
-    except ImportError:
-        arch_rebuild = None
-    if arch_rebuild is not None:
-        return arch_rebuild(k_b, v_b)
-    n_head, lora, _ = k_b.shape
-    return torch.cat((k_b.transpose(1, 2), v_b), dim=1).reshape(-1, lora)  # [H, P+V, L] -> [H*(P+V), L]
+    return kv_b_from_split(k_b, v_b)
 
 
 def split_uk_uv(w_local: Tensor, n_local: int, nope: int, v_dim: int) -> tuple[Tensor, Tensor]:

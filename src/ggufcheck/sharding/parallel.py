@@ -39,7 +39,7 @@ from ggufcheck.reference.config import ReferenceConfig
 from ggufcheck.reference.layers import apply_rope, attention, causal_mask, linear, route, swiglu
 from ggufcheck.sharding.dist import RankContext
 from ggufcheck.sharding.mla import KV_B_RULE, VLLM_LAYOUT, KvBLayout
-from ggufcheck.sharding.rules import Loader, rule_for, shard, vocab_range
+from ggufcheck.sharding.rules import Loader, ShardRule, rule_for, shard, vocab_range
 
 Weights = dict[str, Tensor]
 
@@ -60,6 +60,7 @@ class RunPayload:
     """Everything the ranks need for one run (every layer kind, then the collectives test)."""
 
     cfg: ReferenceConfig
+    rules: dict[str, ShardRule]  # short GGUF name -> rule (from the arch table)
     jobs: list[LayerJob]
     loader: Loader = shard
     kv_layout: KvBLayout = VLLM_LAYOUT
@@ -72,13 +73,14 @@ class _Rank:
 
     def __init__(self, ctx: RankContext, payload: RunPayload, job: LayerJob):
         self.ctx, self.cfg, self.job, self.loader = ctx, payload.cfg, job, payload.loader
+        self.rules = payload.rules
 
     def piece(self, name: str) -> Tensor | None:
         full = self.job.weights.get(name)
         if full is None:
             return None
         n_kv = self.cfg.n_head_kv if not self.cfg.is_mla else 0
-        return self.ctx.to(self.loader(full, rule_for(name), self.ctx.rank, self.ctx.world_size, n_kv))
+        return self.ctx.to(self.loader(full, rule_for(name, self.rules), self.ctx.rank, self.ctx.world_size, n_kv))
 
     def input(self, name: str) -> Tensor:
         return self.ctx.to(self.job.inputs[name])

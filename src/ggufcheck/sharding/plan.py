@@ -29,7 +29,7 @@ from typing import Any, Iterable, Protocol
 
 import gguf
 
-from ggufcheck.reference.config import ReferenceConfig
+from ggufcheck.arch.spec import ArchSpec
 from ggufcheck.results import Result, failed, passed, skipped
 from ggufcheck.sharding.rules import ShardRule, pad_vocab, rule_for, short_name, split_problem
 
@@ -67,19 +67,6 @@ def block_size(qtype: gguf.GGMLQuantizationType) -> int:
     return gguf.GGML_QUANT_SIZES[qtype][0]
 
 
-def unit_size(rule: ShardRule, cfg: ReferenceConfig) -> int:
-    """Rows (or columns) of one indivisible unit along the rule's dim."""
-    if rule.unit == "head_q":
-        return cfg.qk_nope + cfg.qk_rope if cfg.is_mla else cfg.head_dim_k
-    if rule.unit == "head_kv":
-        return cfg.head_dim_k
-    if rule.unit == "head_v":
-        return cfg.v_head if cfg.is_mla else cfg.head_dim_v
-    if rule.unit == "kv_b_head":
-        return cfg.qk_nope + cfg.v_head
-    return 1
-
-
 def _pattern(name: str) -> str:
     return re.sub(r"^blk\.\d+\.", "blk.*.", name)
 
@@ -93,35 +80,40 @@ def _dim_check(check: str, what: str, size: int, tp: int, **stats: Any) -> Resul
     return passed(check, COMPONENT, f"{what} {size} / TP {tp} = {size // tp} per rank", stats=stats)
 
 
-def check_dims(cfg: ReferenceConfig, tensors: dict[str, TensorLike], tp: int) -> list[Result]:
+def n_kv_split(spec: ArchSpec) -> int:
+    """The kv-head count a ``kv_heads`` rule splits over (0 for MLA: no k / v rows)."""
+    return 0 if spec.mla is not None else spec.n_head_kv
+
+
+def check_dims(spec: ArchSpec, tensors: dict[str, TensorLike], tp: int) -> list[Result]:
     """Heads, kv heads, FF widths and vocabulary against TP."""
-    out = [_dim_check("sharding.plan.heads", "attention heads", cfg.n_head, tp)]
-    if cfg.is_mla:
+    out = [_dim_check("sharding.plan.heads", "attention heads", spec.n_head, tp)]
+    if spec.mla is not None:
         out.append(passed("sharding.plan.kv_heads", COMPONENT,
                           "MLA: the latent kv (kv_a_mqa) is replicated; kv_b splits with the heads",
                           stats={"tp": tp}))
-    elif tp <= cfg.n_head_kv:
-        out.append(_dim_check("sharding.plan.kv_heads", "kv heads", cfg.n_head_kv, tp))
-    elif tp % cfg.n_head_kv:
+    elif tp <= spec.n_head_kv:
+        out.append(_dim_check("sharding.plan.kv_heads", "kv heads", spec.n_head_kv, tp))
+    elif tp % spec.n_head_kv:
         out.append(failed("sharding.plan.kv_heads", COMPONENT,
-                          f"TP {tp} exceeds the {cfg.n_head_kv} kv heads and is not a multiple of them",
-                          stats={"size": cfg.n_head_kv, "tp": tp}))
+                          f"TP {tp} exceeds the {spec.n_head_kv} kv heads and is not a multiple of them",
+                          stats={"size": spec.n_head_kv, "tp": tp}))
     else:
         out.append(passed("sharding.plan.kv_heads", COMPONENT,
-                          f"TP {tp} > {cfg.n_head_kv} kv heads: each kv head replicated on {tp // cfg.n_head_kv} ranks",
-                          stats={"size": cfg.n_head_kv, "tp": tp, "replicas": tp // cfg.n_head_kv}))
-    dense_ff = _rows_of(tensors, "ffn_gate.weight") or (cfg.n_ff if not cfg.n_expert or cfg.n_dense_lead else 0)
+                          f"TP {tp} > {spec.n_head_kv} kv heads: each kv head replicated on {tp // spec.n_head_kv} ranks",
+                          stats={"size": spec.n_head_kv, "tp": tp, "replicas": tp // spec.n_head_kv}))
+    dense_ff = _rows_of(tensors, "ffn_gate.weight") or (spec.n_ff if spec.moe is None or spec.moe.leading_dense else 0)
     out.append(_dim_check("sharding.plan.ffn", "dense FF width", dense_ff, tp))
-    if cfg.n_expert:
-        out.append(_dim_check("sharding.plan.expert_ffn", "expert FF width", cfg.n_ff_exp, tp))
+    if spec.moe is not None:
+        out.append(_dim_check("sharding.plan.expert_ffn", "expert FF width", spec.moe.expert_ff, tp))
         shared = _rows_of(tensors, "ffn_gate_shexp.weight")
         if shared:
             out.append(_dim_check("sharding.plan.shared_ffn", "shared-expert FF width", shared, tp))
-    if cfg.has_indexer:
+    if spec.indexer is not None:
         out.append(passed("sharding.plan.indexer", COMPONENT,
-                          f"DSA indexer ({cfg.indexer_heads} heads) is replicated on every rank (vLLM)",
+                          f"DSA indexer ({spec.indexer.n_head} heads) is replicated on every rank (vLLM)",
                           stats={"tp": tp}))
-    out.append(check_vocab(_vocab_rows(cfg, tensors), tp))
+    out.append(check_vocab(_vocab_rows(spec, tensors), tp))
     return out
 
 
@@ -132,9 +124,9 @@ def _rows_of(tensors: dict[str, TensorLike], short: str) -> int:
     return 0
 
 
-def _vocab_rows(cfg: ReferenceConfig, tensors: dict[str, TensorLike]) -> int:
+def _vocab_rows(spec: ArchSpec, tensors: dict[str, TensorLike]) -> int:
     t = tensors.get("token_embd.weight")
-    return int(t.shape[0]) if t is not None else cfg.n_vocab
+    return int(t.shape[0]) if t is not None else spec.n_vocab
 
 
 def check_vocab(vocab: int, tp: int) -> Result:
@@ -153,20 +145,20 @@ def check_vocab(vocab: int, tp: int) -> Result:
                   f"vocabulary {vocab} -> padded {padded} = {tp} x {per} rows{pad_note}", stats=stats)
 
 
-def check_splits(cfg: ReferenceConfig, tensors: Iterable[TensorLike], tp: int) -> list[Result]:
+def check_splits(spec: ArchSpec, rules: dict[str, ShardRule], tensors: Iterable[TensorLike],
+                 tp: int) -> list[Result]:
     """Every split tensor cuts into whole units, and row-parallel quantized splits align."""
     split_groups: dict[tuple[str, str], list[str]] = defaultdict(list)
     align_groups: dict[tuple[str, str, str | None], list[str]] = defaultdict(list)
     align_stats: dict[tuple[str, str, str | None], dict[str, Any]] = {}
     n_split = 0
     for t in tensors:
-        rule = rule_for(t.name)
+        rule = rule_for(t.name, rules)
         if not rule.is_split:
             continue
         n_split += 1
         dim = rule.dim % len(t.shape)
-        n_kv = 0 if cfg.is_mla else cfg.n_head_kv
-        problem = split_problem(int(t.shape[dim]), rule, tp, unit_size(rule, cfg), n_kv)
+        problem = split_problem(int(t.shape[dim]), rule, tp, n_kv_split(spec))
         if problem:
             split_groups[(_pattern(t.name), problem)].append(t.name)
         if rule.kind == "row" and dim == len(t.shape) - 1:  # cutting ne0: the quant block dim
@@ -200,27 +192,27 @@ def check_splits(cfg: ReferenceConfig, tensors: Iterable[TensorLike], tp: int) -
     return out
 
 
-def rank_bytes(t: TensorLike, tp: int, cfg: ReferenceConfig) -> int:
+def rank_bytes(t: TensorLike, rule: ShardRule, tp: int, n_kv: int) -> int:
     """Bytes of ``t`` one rank holds (in the file's own type: GGUF engines keep it quantized)."""
-    rule = rule_for(t.name)
     if not rule.is_split or tp == 1:
         return int(t.nbytes)
     if rule.kind == "vocab":
         rows = pad_vocab(int(t.shape[0])) // tp if pad_vocab(int(t.shape[0])) % tp == 0 else -(-int(t.shape[0]) // tp)
         return int(t.nbytes) // int(t.shape[0]) * rows
-    if rule.kv_heads and not cfg.is_mla and tp > cfg.n_head_kv:
-        return int(t.nbytes) // cfg.n_head_kv
+    if rule.kv_heads and n_kv and tp > n_kv:
+        return int(t.nbytes) // n_kv
     return -(-int(t.nbytes) // tp)
 
 
-def check_memory(cfg: ReferenceConfig, tensors: Iterable[TensorLike], tp: int,
+def check_memory(spec: ArchSpec, rules: dict[str, ShardRule], tensors: Iterable[TensorLike], tp: int,
                  gpu_memory_gib: float | None) -> Result:
     """Per-rank weight memory, against ``gpu_memory_gib`` x 0.9 when given."""
     tensors = list(tensors)
     split = replicated = 0
     for t in tensors:
-        b = rank_bytes(t, tp, cfg)
-        if rule_for(t.name).is_split and tp > 1:
+        rule = rule_for(t.name, rules)
+        b = rank_bytes(t, rule, tp, n_kv_split(spec))
+        if rule.is_split and tp > 1:
             split += b
         else:
             replicated += b
@@ -243,23 +235,23 @@ def check_memory(cfg: ReferenceConfig, tensors: Iterable[TensorLike], tp: int,
                   "left per rank for KV cache and activations", stats=stats)
 
 
-def plan(cfg: ReferenceConfig, tensors: dict[str, TensorLike], tp: int,
+def plan(spec: ArchSpec, rules: dict[str, ShardRule], tensors: dict[str, TensorLike], tp: int,
          gpu_memory_gib: float | None = None) -> list[Result]:
     """All plan checks for ``tp`` ranks."""
-    return [*check_dims(cfg, tensors, tp), *check_splits(cfg, tensors.values(), tp),
-            check_memory(cfg, tensors.values(), tp, gpu_memory_gib)]
+    return [*check_dims(spec, tensors, tp), *check_splits(spec, rules, tensors.values(), tp),
+            check_memory(spec, rules, tensors.values(), tp, gpu_memory_gib)]
 
 
-def kind_problems(cfg: ReferenceConfig, weights_shapes: dict[str, tuple[int, ...]], tp: int) -> list[str]:
+def kind_problems(rules: dict[str, ShardRule], shapes: dict[str, tuple[int, ...]], tp: int, n_head: int,
+                  n_kv: int) -> list[str]:
     """Why a layer's tensors (short name -> numpy shape) cannot run sharded ``tp`` ways."""
     problems = []
-    n_kv = 0 if cfg.is_mla else cfg.n_head_kv
-    for name, shape in weights_shapes.items():
-        rule = rule_for(name)
+    if any(n.startswith(("attn_q", "attn_k_b", "attn_kv_b")) for n in shapes) and n_head % tp:
+        problems.append(f"{n_head} attention heads are not divisible by TP {tp}")
+    for name, shape in shapes.items():
+        rule = rule_for(name, rules)
         if rule.is_split:
-            p = split_problem(int(shape[rule.dim % len(shape)]), rule, tp, unit_size(rule, cfg), n_kv)
+            p = split_problem(int(shape[rule.dim % len(shape)]), rule, tp, n_kv)
             if p:
                 problems.append(f"{name}: {p}")
-    if any(n.startswith(("attn_q", "attn_k_b", "attn_kv_b")) for n in weights_shapes) and cfg.n_head % tp:
-        problems.append(f"{cfg.n_head} heads are not divisible by TP {tp}")
     return problems

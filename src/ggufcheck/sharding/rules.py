@@ -7,39 +7,41 @@ blocks, each split on its own). :func:`shard` is the one function that cuts a fu
 into rank ``r``'s piece; the sharded layers, the weights audit and the fault injections
 all go through it (or through a replacement loader with the same signature).
 
-The facts (architectures.md sec 7, read from vLLM's linear.py / vocab_parallel_embedding.py):
+The facts (architectures.md sec 7, read from vLLM's linear.py / vocab_parallel_embedding.py)
+live in the arch tables (``ggufcheck.arch.tables``: every row carries a ``Shard``);
+:func:`rules_from_table` turns them into :class:`ShardRule` values with the units resolved
+for one model. What this module adds is the vLLM behaviour the table rows only name:
 
-- column-parallel (split the output rows): q / q_b, k / v (by kv head), kv_b, dense and
-  shared gate / up, expert gate / up on their FF dim, lm_head;
-- row-parallel (split the input columns, then all-reduce): o_proj, down, expert down;
-- replicated: q_a, kv_a_mqa, norms, router, exp_probs_b, the DSA indexer, rope_freqs;
+- kv heads: a split over ``Hkv`` rows replicates each kv head on ``tp / Hkv`` ranks when
+  TP exceeds the kv-head count (vLLM QKVParallelLinear);
+- fused parts: a ``2*Fe`` dim (``ffn_gate_up_exps``) is two blocks, each split on its own;
 - vocabulary: padded to a multiple of 64 (``pad_vocab_size``), then divided evenly by TP
   (``divide`` asserts it); rank r holds rows ``[r * per, (r + 1) * per)`` and rows past the
   real vocabulary are padding, filled with zeros by the loader.
-
-:data:`GGUF_RULES` is keyed by the GGUF short name (``blk.N.`` removed). It is a stopgap
-until the arch tables carry shard rules (requested in team/requests-arch.md); then
-:func:`rule_for` reads those instead and this table goes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ggufcheck.arch.spec import ArchSpec
+    from ggufcheck.arch.table import Shard, TensorTable
 
 VOCAB_PADDING = 64  # vLLM DEFAULT_VOCAB_PADDING_SIZE
 
 
 @dataclass(frozen=True)
 class ShardRule:
-    """How one tensor is split across TP ranks."""
+    """How one tensor is split across TP ranks, resolved for one model."""
 
     kind: str  # "column" | "row" | "replicated" | "vocab"
     dim: int = 0  # numpy dim that is cut (negative: from the end; -1 is ggml's ne0)
-    unit: str = ""  # the indivisible run along dim, named: "head_q", "head_kv", "head_v", "kv_b_head", ""
+    unit: int = 1  # the indivisible run along dim (one head's rows), in elements
     kv_heads: bool = False  # the dim counts kv heads: replicated (one head per rank group) when tp > n_kv
     parts: int = 1  # fused blocks along dim, each split on its own (gate_up: 2)
 
@@ -50,38 +52,24 @@ class ShardRule:
 
 REPLICATED = ShardRule("replicated")
 
-# GGUF short name -> rule (stopgap, see module docstring). Numpy layouts from architectures.md
-# sec 3-6: 2-D weights are [out, in]; stacked experts [E, F, D] / [E, D, F]; k_b [H, L, P],
-# v_b [H, V, L].
-GGUF_RULES: dict[str, ShardRule] = {
-    "token_embd.weight": ShardRule("vocab", 0),
-    "output.weight": ShardRule("vocab", 0),  # ParallelLMHead
-    # GQA attention (llama, qwen, glm4moe): QKVParallelLinear
-    "attn_q.weight": ShardRule("column", 0, "head_q"),
-    "attn_q.bias": ShardRule("column", 0, "head_q"),
-    "attn_k.weight": ShardRule("column", 0, "head_kv", kv_heads=True),
-    "attn_k.bias": ShardRule("column", 0, "head_kv", kv_heads=True),
-    "attn_v.weight": ShardRule("column", 0, "head_v", kv_heads=True),
-    "attn_v.bias": ShardRule("column", 0, "head_v", kv_heads=True),
-    "attn_output.weight": ShardRule("row", -1, "head_v"),  # RowParallelLinear o_proj
-    # MLA (deepseek2, glm-dsa)
-    "attn_q_b.weight": ShardRule("column", 0, "head_q"),
-    "attn_kv_b.weight": ShardRule("column", 0, "kv_b_head"),  # legacy unsplit [H*(P+V), L]
-    "attn_k_b.weight": ShardRule("column", 0),  # [H, L, P]: by head
-    "attn_v_b.weight": ShardRule("column", 0),  # [H, V, L]: by head
-    # dense and shared-expert FFN: MergedColumnParallelLinear gate_up + RowParallelLinear down
-    "ffn_gate.weight": ShardRule("column", 0),
-    "ffn_up.weight": ShardRule("column", 0),
-    "ffn_down.weight": ShardRule("row", -1),
-    "ffn_gate_shexp.weight": ShardRule("column", 0),
-    "ffn_up_shexp.weight": ShardRule("column", 0),
-    "ffn_down_shexp.weight": ShardRule("row", -1),
-    # routed experts (FusedMoE under TP, no expert parallelism): w1/w3 on the FF dim, w2 on its input
-    "ffn_gate_exps.weight": ShardRule("column", 1),
-    "ffn_up_exps.weight": ShardRule("column", 1),
-    "ffn_gate_up_exps.weight": ShardRule("column", 1, parts=2),
-    "ffn_down_exps.weight": ShardRule("row", -1),
-}
+
+def rule_from_shard(shard: "Shard", shape_expr: tuple[str, ...], spec: "ArchSpec") -> ShardRule:
+    """A table row's ``Shard`` (and its shape expressions) -> a resolved :class:`ShardRule`."""
+    if shard.kind.value == "replicated" or shard.dim is None:
+        return REPLICATED
+    expr = shape_expr[shard.dim].replace(" ", "")
+    return ShardRule(kind=shard.kind.value, dim=shard.dim, unit=shard.unit_size(spec),
+                     kv_heads="Hkv" in expr, parts=2 if expr.startswith("2*") else 1)
+
+
+def short_template(gguf_template: str) -> str:
+    """``blk.{i}.attn_q.weight`` -> ``attn_q.weight``."""
+    return gguf_template.removeprefix("blk.{i}.")
+
+
+def rules_from_table(spec: "ArchSpec", table: "TensorTable") -> dict[str, ShardRule]:
+    """Short GGUF name -> shard rule, for every row of the architecture's table."""
+    return {short_template(r.gguf): rule_from_shard(r.shard, r.shape, spec) for r in table.rows}
 
 
 def short_name(name: str) -> tuple[int | None, str]:
@@ -93,9 +81,9 @@ def short_name(name: str) -> tuple[int | None, str]:
     return None, name
 
 
-def rule_for(name: str) -> ShardRule:
-    """The shard rule of a GGUF tensor (full or short name); unlisted tensors are replicated."""
-    return GGUF_RULES.get(short_name(name)[1], REPLICATED)
+def rule_for(name: str, rules: dict[str, ShardRule]) -> ShardRule:
+    """The rule of a GGUF tensor (full or short name); tensors without a row are replicated."""
+    return rules.get(short_name(name)[1], REPLICATED)
 
 
 # --- vocabulary ------------------------------------------------------------------------
@@ -147,7 +135,7 @@ def shard(full: Tensor, rule: ShardRule, rank: int, tp: int, n_kv: int = 0) -> T
     return pieces[0] if rule.parts == 1 else torch.cat(pieces, dim=dim)
 
 
-def split_problem(size: int, rule: ShardRule, tp: int, unit: int = 1, n_kv: int = 0) -> str | None:
+def split_problem(size: int, rule: ShardRule, tp: int, n_kv: int = 0) -> str | None:
     """Why ``size`` along the rule's dim cannot be split ``tp`` ways (None when it can)."""
     if not rule.is_split or tp == 1:
         return None
@@ -161,6 +149,6 @@ def split_problem(size: int, rule: ShardRule, tp: int, unit: int = 1, n_kv: int 
     block = size // rule.parts
     if block % tp:
         return f"{block} is not divisible by TP {tp}"
-    if unit > 1 and (block // tp) % unit:
-        return f"{block} / {tp} = {block // tp} cuts through a unit of {unit}"
+    if rule.unit > 1 and (block // tp) % rule.unit:
+        return f"{block} / {tp} = {block // tp} cuts through a unit (head) of {rule.unit}"
     return None

@@ -1,0 +1,151 @@
+"""The sharding stage: does the file shard N ways, and does sharded arithmetic equal unsharded?
+
+In dependency order, all from the GGUF file and CPUs (or GPUs with NCCL when present):
+
+1. the plan (:mod:`ggufcheck.sharding.plan`): divisibility, quant-block alignment of
+   row-parallel splits for each tensor's actual type, vocab padding, per-rank memory;
+2. MLA kv_b (:mod:`ggufcheck.sharding.mla`): every rank's W_UK / W_UV are the k_b / v_b of
+   that rank's heads, exactly;
+3. numeric TP invariance (:mod:`ggufcheck.sharding.invariance`): every layer kind sharded
+   over N ranks equals the reference unsharded, in fp64; plus the collectives self-test.
+
+Entry points: :func:`run_sharding_stage` (the ``shard`` command), :func:`plan_results`
+(the plan alone, for ``inspect --tp``), :func:`plan_known` (real GLM-5 / DeepSeek-V3
+dimensions without the file, with a stated quant mix).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ggufcheck.arch.spec import ArchSpec, spec_for_model, spec_results
+from ggufcheck.arch.tables import table_for
+from ggufcheck.errors import GGUFCheckError
+from ggufcheck.gguf.reader import GGUFModel
+from ggufcheck.results import Result, StageReport, errored, skipped
+from ggufcheck.sharding import mla as shard_mla
+from ggufcheck.sharding.plan import plan
+from ggufcheck.sharding.rules import rules_from_table
+
+STAGE = "sharding"
+COMPONENT = "sharding"
+MLA_CHECK_ELEMENT_BUDGET = 200_000_000  # k_b + v_b elements checked in all layers below this
+
+
+@dataclass(frozen=True)
+class ShardOptions:
+    """What ``ggufcheck shard`` was asked to do."""
+
+    tp: int
+    gpu_memory_gib: float | None = None
+    backend: str = "auto"  # "gloo" | "nccl" | "auto"
+    timeout_s: float = 180.0
+    numeric: bool = True  # run the sharded layers (False: plan and kv_b only)
+    kinds: tuple[str, ...] | None = None
+    tokens: int = 6
+    seed: int = 0
+
+
+def _spec_and_rules(model: GGUFModel) -> tuple[ArchSpec | None, dict | None, list[Result]]:
+    spec, findings = spec_for_model(model)
+    if findings or spec is None:
+        return None, None, spec_results(spec, findings)
+    if not isinstance(spec, ArchSpec):
+        return None, None, [skipped("sharding.plan", COMPONENT,
+                                    f"no spec for architecture {spec.arch!r}: cannot plan its sharding")]
+    table = table_for(spec)
+    if table is None:
+        return None, None, [skipped("sharding.plan", COMPONENT, f"no tensor table for {spec.arch!r}")]
+    return spec, rules_from_table(spec, table), []
+
+
+def plan_results(model: GGUFModel, tp: int, gpu_memory_gib: float | None = None) -> list[Result]:
+    """The plan checks alone (no weights read): for ``inspect --tp`` and the shard stage."""
+    spec, rules, problems = _spec_and_rules(model)
+    if spec is None:
+        return problems
+    return plan(spec, rules, model.tensors, tp, gpu_memory_gib)
+
+
+def mla_results(model: GGUFModel, spec: ArchSpec, tp: int) -> list[Result]:
+    """Per-rank W_UK / W_UV invariants for the file's k_b / v_b (every layer when small,
+    else the first and the last run layer)."""
+    from ggufcheck.gguf.dequant import dequantize_tensor
+
+    if spec.mla is None:
+        return []
+    if not spec.mla.split_kv_b:
+        return [skipped("sharding.mla.kv_b_ranks", shard_mla.COMPONENT,
+                        "legacy attn_kv_b file: kv_b is not rebuilt, its column split is checked numerically")]
+    if spec.n_head % tp:
+        return [skipped("sharding.mla.kv_b_ranks", shard_mla.COMPONENT,
+                        f"{spec.n_head} heads do not divide by TP {tp} (the plan reports it)")]
+    per_layer = sum(model.tensors[f"blk.0.{n}"].n_elements for n in ("attn_k_b.weight", "attn_v_b.weight"))
+    layers = list(range(spec.n_layer))
+    if per_layer * len(layers) > MLA_CHECK_ELEMENT_BUDGET:
+        layers = sorted({0, spec.n_layer - 1})
+    out = []
+    for i in layers:
+        k_b = dequantize_tensor(model, f"blk.{i}.attn_k_b.weight")
+        v_b = dequantize_tensor(model, f"blk.{i}.attn_v_b.weight")
+        out.extend(shard_mla.check_kv_b_ranks(k_b, v_b, tp, layer=i))
+    return out
+
+
+def run_sharding_stage(model: GGUFModel, opts: ShardOptions, **invariance_overrides: Any) -> StageReport:
+    """Plan, MLA kv_b and numeric TP invariance for ``opts.tp`` ranks.
+
+    ``invariance_overrides`` go to :class:`InvarianceOptions` (tests pass fault loaders).
+    """
+    from ggufcheck.reference.config import config_from_gguf
+    from ggufcheck.sharding.dist import resolve_backend
+    from ggufcheck.sharding.invariance import InvarianceOptions, gguf_layer_weights, make_jobs, run_invariance
+
+    report = StageReport(STAGE, info={"tp": opts.tp, "model": str(model.path)})
+    spec, rules, problems = _spec_and_rules(model)
+    if spec is None:
+        report.add(problems)
+        return report
+    report.info.update(arch=spec.arch, heads=spec.n_head, kv_heads=spec.n_head_kv, vocab=spec.n_vocab)
+    report.add(plan(spec, rules, model.tensors, opts.tp, opts.gpu_memory_gib))
+    try:
+        report.add(mla_results(model, spec, opts.tp))
+    except GGUFCheckError as err:
+        report.add(errored("sharding.mla.kv_b_ranks", shard_mla.COMPONENT, err.message))
+    if not opts.numeric:
+        report.add(skipped("sharding.tp", COMPONENT, "numeric TP invariance not requested (--plan-only)"))
+        return report
+    backend = resolve_backend(opts.backend, opts.tp)
+    report.info["backend"] = backend
+    try:
+        cfg = config_from_gguf(model.metadata, model.tensors, str(model.path))
+    except GGUFCheckError as err:
+        report.add(skipped("sharding.tp", COMPONENT, f"no reference for this model: {err.message}"))
+        return report
+    iopts = InvarianceOptions(tp=opts.tp, backend=backend, timeout_s=opts.timeout_s, tokens=opts.tokens,
+                              seed=opts.seed, kinds=opts.kinds, **invariance_overrides)
+    with torch.no_grad():
+        jobs = make_jobs(cfg, gguf_layer_weights(model), iopts)
+        report.add(run_invariance(cfg, rules, jobs, iopts))
+    return report
+
+
+def plan_known(name: str, tp: int, mix: str = "q4_k_m", gpu_memory_gib: float | None = None) -> StageReport:
+    """The plan for a known model's real dimensions (``arch.known``), with an assumed quant mix."""
+    from ggufcheck.arch.known import KNOWN, known_spec
+    from ggufcheck.errors import UsageError
+    from ggufcheck.sharding.mixes import planned_tensors
+
+    if name not in KNOWN:
+        raise UsageError(f"unknown model {name!r}; known: {', '.join(KNOWN)}")
+    spec = known_spec(name)
+    table = table_for(spec)
+    tensors = planned_tensors(spec, table, mix)
+    report = StageReport(STAGE, info={"tp": tp, "model": f"known:{name}", "arch": spec.arch,
+                                      "quant_mix_assumed": mix, "tensors": len(tensors)})
+    report.add(plan(spec, rules_from_table(spec, table), tensors, tp, gpu_memory_gib))
+    report.add(skipped("sharding.tp", COMPONENT, "numeric TP invariance needs the model file"))
+    return report
