@@ -512,7 +512,8 @@ def _build_mla(keys: _Keys, arch: str, n_embd: int, n_block: int, n_nextn: int, 
     n_ff = keys.int("feed_forward_length", _REQUIRED if moe is None or moe.leading_dense else 0,
                     minimum=0)
     rope = _rope(keys, arch, head_dim=mla.qk_rope, n_rot_default=mla.qk_rope)
-    indexer = _indexer(keys, n_block - n_nextn, context, rope) if arch == "glm-dsa" else None
+    indexer = (_indexer(keys, n_block - n_nextn, context, rope)
+               if arch == "glm-dsa" and rope is not None else None)
     if n_ff is None or rope is None or (arch == "glm-dsa" and indexer is None):
         return None
     _check(keys, rope.n_rot == mla.qk_rope, "rope.dimension_count",
