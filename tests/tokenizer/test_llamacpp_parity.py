@@ -89,10 +89,23 @@ def test_piece_bytes_match_llamacpp(model, ours, llamacpp, fuzz):
 def test_every_pre_tokenizer_matches_llamacpp(row, metadata, probe_metadata, vocab_writer, corpus, fuzz, tmp_path):
     pre = row.names[0]
     meta = {**probe_metadata, "tokenizer.ggml.pre": pre}
+    del meta["tokenizer.ggml.add_bos_token"]  # so each name's own BOS default applies
     path = vocab_writer(tmp_path / f"vocab-{row.kind}.gguf", meta, metadata["smollm2"]["fields"])
     ll = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
     tok = load_tokenizer(meta)
     assert tok.bos_id == ll.token_bos() and tok.eos_id == ll.token_eos()
     texts = corpus + fuzz(seed=zlib.crc32(row.kind.encode()), n=100)
     bad = _mismatches(tok, ll, texts, [(True, False)])
+    assert not bad, _describe(tok, bad)
+
+
+def test_spm_space_prefix_and_eos_flags_match_llamacpp(metadata, vocab_writer, corpus, fuzz, tmp_path):
+    """Gemma's vocabulary with Llama-2-style flags: a space before text that starts the
+    input or follows a special token, and EOS appended."""
+    base = metadata["gemma3"]
+    meta = {**base["meta"], "tokenizer.ggml.add_space_prefix": True, "tokenizer.ggml.add_eos_token": True}
+    path = vocab_writer(tmp_path / "gemma-prefix.gguf", meta, base["fields"])
+    ll = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    tok = load_tokenizer(meta)
+    bad = _mismatches(tok, ll, corpus + fuzz(seed=21, n=100), FLAGS)
     assert not bad, _describe(tok, bad)

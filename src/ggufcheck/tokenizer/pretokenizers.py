@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+from ggufcheck.errors import Unavailable
+
 # -- the regexes (llama-vocab.cpp, llm_tokenizer_bpe::llm_tokenizer_bpe) ------------------
 
 _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
@@ -249,8 +251,13 @@ def supported_pre_names() -> list[str]:
 
 @lru_cache(maxsize=None)
 def _compiled(regexes: tuple[str, ...]) -> tuple[Any, ...]:
-    import regex  # the third-party module: \p{L} classes and Unicode-aware \s
-
+    try:
+        import regex  # the third-party module: \p{L} classes and Unicode-aware \s
+    except ImportError:
+        raise Unavailable(
+            "byte-level BPE tokenization needs the 'regex' package (for \\p{L} classes)",
+            tip="pip install regex",
+        ) from None
     return tuple(regex.compile(r) for r in regexes)
 
 
