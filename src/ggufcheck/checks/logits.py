@@ -248,7 +248,7 @@ def judge(metrics: PositionMetrics, baseline: Baseline, tolerance: LogitToleranc
     limit99 = m * baseline.kl_p99 + tolerance.kl_p99_floor
     results.append(_verdict(
         "logits.kl_p99", component, kl["p99"] <= limit99,
-        f"99th-percentile KL {kl['p99']:.3g} (max {kl['max']:.3g}); {base_note} {baseline.kl_p99:.3g}, "
+        f"99th-percentile KL {kl['p99']:.3g} (max {kl['max']:.3g}); baseline {baseline.kl_p99:.3g}, "
         f"limit {limit99:.3g}",
         stats={"p99": kl["p99"], "max": kl["max"], "baseline": baseline.kl_p99, "limit": limit99}))
 
@@ -258,7 +258,7 @@ def judge(metrics: PositionMetrics, baseline: Baseline, tolerance: LogitToleranc
     results.append(_verdict(
         "logits.argmax", component, high >= need,
         f"argmax agrees at {agree}/{metrics.n} positions ({agree / metrics.n:.1%}, 95% CI "
-        f"{low:.1%}-{high:.1%}); {base_note} {baseline.argmax_agreement:.1%}, need upper bound >= {need:.1%}",
+        f"{low:.1%}-{high:.1%}); baseline {baseline.argmax_agreement:.1%}, need upper bound >= {need:.1%}",
         stats={"agreement": agree / metrics.n, "ci95": [low, high], "n": metrics.n,
                "baseline": baseline.argmax_agreement, "required_upper_bound": need}))
 
@@ -272,7 +272,7 @@ def judge(metrics: PositionMetrics, baseline: Baseline, tolerance: LogitToleranc
         results.append(_verdict(
             "logits.delta_p", component, ok,
             f"delta-p of the observed token: mean {dp['mean']:+.4f} (limit +-{limit_dp:.4f}), rms {dp['rms']:.4f} "
-            f"(limit {rms_limit:.4f}); {base_note} rms {baseline.delta_p_rms:.4f}",
+            f"(limit {rms_limit:.4f}); baseline rms {baseline.delta_p_rms:.4f}",
             stats={"delta_p": dp, "mean_limit": limit_dp, "rms_limit": rms_limit}))
     else:
         results.append(skipped("logits.delta_p", component, "the engine reported no observed-token probability"))
@@ -282,7 +282,7 @@ def judge(metrics: PositionMetrics, baseline: Baseline, tolerance: LogitToleranc
     results.append(_verdict(
         "logits.nmse", component, nm["mean"] <= limit_nmse,
         f"NMSE of log-softmax {nm['mean']:.3g} ({'full vocabulary' if metrics.full_vocab else 'top-k ids'}); "
-        f"{base_note} {baseline.nmse_mean:.3g}, limit {limit_nmse:.3g}",
+        f"baseline {baseline.nmse_mean:.3g}, limit {limit_nmse:.3g}",
         stats={"nmse": nm, "baseline": baseline.nmse_mean, "limit": limit_nmse}))
     return results
 

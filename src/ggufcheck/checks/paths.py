@@ -52,14 +52,15 @@ def _pair_verdict(check: str, component: str, what: str, pairs: Sequence[tuple[T
     agree = int(m.agree.sum())
     low, high = wilson_interval(agree, m.n)
     need = baseline.argmax_agreement - tol.argmax_floor
-    ok = kl["mean"] <= limit and kl["max"] <= max(limit99, limit) * 10 and high >= need
+    max_limit = max(limit99, limit)
+    ok = kl["mean"] <= limit and kl["max"] <= max_limit and high >= need
     worst_i = int(np.argmax(m.kl))
-    stats = {"kl": kl, "kl_limit": limit, "kl_max_limit": max(limit99, limit) * 10,
+    stats = {"kl": kl, "kl_limit": limit, "kl_max_limit": max_limit,
              "argmax_agreement": agree / m.n, "ci95": [low, high], "required_upper_bound": need,
              "baseline": baseline.source}
     worst = {"sequence": int(m.sequence[worst_i]), "position": int(m.position[worst_i]), "kl": float(m.kl[worst_i])}
     msg = (f"{what}: mean KL {kl['mean']:.3g} (limit {limit:.3g}), max {kl['max']:.3g} "
-           f"(limit {max(limit99, limit) * 10:.3g}), argmax {agree}/{m.n} agree, over {m.n} positions")
+           f"(limit {max_limit:.3g}), argmax {agree}/{m.n} agree, over {m.n} positions")
     return (passed if ok else failed)(check, component, msg, stats=stats, worst=worst)
 
 

@@ -1,0 +1,146 @@
+"""The compare stages: an engine against the reference (logits), and against itself.
+
+``run_compare`` takes token sequences (tokenized once, so every engine sees the same ids),
+the engine under test, the reference (fp64) and optionally a baseline engine (the
+reference in a lower precision) and returns three StageReports:
+
+- ``sanity``: the engine's own distributions (no reference needed);
+- ``logits``: teacher-forced metrics against the reference, judged relative to the honest
+  baseline (measured baseline run vs fp64; for quantized-activation engines the stated
+  allowance of their class as well, whichever is larger);
+- ``paths``: prefill vs decode, batch, determinism, chunked prefill, past the indexer top_k.
+
+A missing reference or capability SKIPs the checks that need it, with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from ggufcheck.checks.logits import (
+    ALLOWANCES,
+    Baseline,
+    LogitTolerance,
+    baseline_from,
+    collect,
+    distribution,
+    judge,
+)
+from ggufcheck.checks.paths import PathOptions, run_paths
+from ggufcheck.checks.sanity import SanityLimits, run_sanity
+from ggufcheck.engines.base import Engine, TokenLogprobs
+from ggufcheck.results import StageReport, skipped
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class CompareOptions:
+    top_k: int = 20
+    max_new_tokens: int = 8
+    decode_prompts: int = 2
+    chunk_sizes: tuple[int, ...] = (5,)
+    tolerance: LogitTolerance = field(default_factory=LogitTolerance)
+    sanity: SanityLimits = field(default_factory=SanityLimits)
+    run_sanity: bool = True
+    run_paths: bool = True
+    indexer_top_k: int | None = None
+
+
+def combined_baseline(measured: Baseline | None, activation_dtype: str) -> Baseline:
+    """The measured baseline, widened to the stated allowance of a quantized-activation class.
+
+    A reference run cannot reproduce 8-bit activation rounding, so for "q8" engines the
+    measured fp32-vs-fp64 spread understates a correct engine's error; the larger of the two
+    is used and both sources are named.
+    """
+    allowance = ALLOWANCES.get(activation_dtype)
+    if measured is None:
+        return allowance or ALLOWANCES["fp32"]
+    if activation_dtype != "q8" or allowance is None:
+        return measured
+    return Baseline(
+        source=f"the larger of {measured.source} (KL {measured.kl_mean:.2g}) and the {allowance.source} "
+               f"(KL {allowance.kl_mean:.2g})",
+        kl_mean=max(measured.kl_mean, allowance.kl_mean),
+        kl_p99=max(measured.kl_p99, allowance.kl_p99),
+        argmax_agreement=min(measured.argmax_agreement, allowance.argmax_agreement),
+        nmse_mean=max(measured.nmse_mean, allowance.nmse_mean),
+        delta_p_rms=max(measured.delta_p_rms, allowance.delta_p_rms),
+    )
+
+
+def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference: Engine | None = None,
+                reference_reason: str = "no reference engine was given", baseline_engine: Engine | None = None,
+                options: CompareOptions = CompareOptions(), progress: Progress | None = None,
+                long_prompt: Sequence[int] | None = None) -> list[StageReport]:
+    """Score ``sequences`` on every engine and judge; returns [sanity, logits, paths] reports."""
+    say = progress or (lambda _msg: None)
+    seqs = [[int(t) for t in s] for s in sequences if len(s) >= 2]
+    say(f"scoring {len(seqs)} prompts on {engine.name}")
+    tables = [engine.score(s, top_k=options.top_k) for s in seqs]
+
+    paths_stage = StageReport("paths", info={"engine": engine.describe()})
+    generations = []
+    if options.run_paths:
+        say("checking execution paths (prefill vs decode, batch, determinism, chunks)")
+        popts = PathOptions(max_new_tokens=options.max_new_tokens, decode_prompts=options.decode_prompts,
+                            chunk_sizes=options.chunk_sizes, tolerance=options.tolerance, top_k=options.top_k,
+                            indexer_top_k=options.indexer_top_k)
+        path_baseline = combined_baseline(None, engine.capabilities.activation_dtype)
+        results, generations = run_paths(engine, seqs, tables, popts, baseline=path_baseline, long_prompt=long_prompt)
+        paths_stage.add(results)
+        paths_stage.info["baseline"] = path_baseline.source
+    else:
+        paths_stage.add(skipped("paths", "decode", "disabled (--no-paths)"))
+
+    sanity_stage = StageReport("sanity", info={"engine": engine.name})
+    if options.run_sanity:
+        sanity_stage.add(run_sanity(tables, generations, engine.vocab_size, options.sanity))
+    else:
+        sanity_stage.add(skipped("sanity", "output", "disabled (--no-sanity)"))
+
+    logits_stage = StageReport("logits", info={"engine": engine.name})
+    if reference is None:
+        logits_stage.add(skipped("logits", "output", reference_reason))
+    else:
+        say(f"scoring {len(seqs)} prompts on {reference.name}")
+        ref_tables = [reference.score(s) for s in seqs]
+        measured = None
+        if baseline_engine is not None:
+            say(f"scoring {len(seqs)} prompts on {baseline_engine.name} (baseline)")
+            base_tables = [baseline_engine.score(s) for s in seqs]
+            measured = baseline_from(collect(list(zip(ref_tables, base_tables))),
+                                     f"measured {_short(baseline_engine)} vs {_short(reference)}")
+        baseline = combined_baseline(measured, engine.capabilities.activation_dtype)
+        metrics = collect(list(zip(ref_tables, _fit_vocab(tables, reference.vocab_size))))
+        logits_stage.add(judge(metrics, baseline, options.tolerance, detokenize=_detokenizer(engine, reference)))
+        logits_stage.info.update({
+            "reference": reference.name, "baseline": baseline.source,
+            "measured_baseline": None if measured is None else vars(measured),
+            "kl": distribution(metrics.kl), "argmax_agreement": float(metrics.agree.mean()) if metrics.n else None,
+            "positions": metrics.n, "full_vocab": metrics.full_vocab,
+        })
+    return [sanity_stage, logits_stage, paths_stage]
+
+
+def _short(engine: Engine) -> str:
+    return engine.name.split(" (")[0]
+
+
+def _fit_vocab(tables: list[TokenLogprobs], vocab_size: int) -> list[TokenLogprobs]:
+    """Drop an engine's padded vocabulary columns beyond the model's (vLLM pads under TP)."""
+    out = []
+    for t in tables:
+        if t.full and t.vocab_size > vocab_size:
+            t = TokenLogprobs(t.tokens, vocab_size, t.logprobs[:, :vocab_size], present=t.present)
+        out.append(t)
+    return out
+
+
+def _detokenizer(*engines: Engine) -> Callable[[Sequence[int]], str] | None:
+    for e in engines:
+        if e.capabilities.tokenize:
+            return e.detokenize
+    return None

@@ -1,0 +1,101 @@
+"""Engines with a known corruption, wrapping a healthy one: proof that the checks can fail.
+
+Each wrapper changes one thing the way a real serving bug would (fault-catalog.md), and the
+test suite asserts that the stage meant to catch it fails while the healthy engine passes.
+Users can run them against their own pipelines the same way (``ggufcheck.engines.faults``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Sequence
+
+import numpy as np
+
+from ggufcheck.engines.base import Engine, Generation, TokenLogprobs, log_softmax
+
+
+class WrappedEngine(Engine):
+    """Delegates everything to ``inner``; subclasses corrupt one path."""
+
+    def __init__(self, inner: Engine):
+        self.inner = inner
+        self.name = f"{type(self).__name__}({inner.name})"
+        self.capabilities = inner.capabilities
+        self.vocab_size = inner.vocab_size
+
+    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        return self.inner.tokenize(text, add_special=add_special)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self.inner.detokenize(tokens)
+
+    def score(self, tokens: Sequence[int], *, top_k: int = 20) -> TokenLogprobs:
+        return self.corrupt(self.inner.score(tokens, top_k=top_k))
+
+    def score_batch(self, batch, *, top_k: int = 20):
+        return [self.corrupt(t) for t in self.inner.score_batch(batch, top_k=top_k)]
+
+    def score_chunked(self, tokens, chunk_size, *, top_k: int = 20):
+        return self.corrupt(self.inner.score_chunked(tokens, chunk_size, top_k=top_k))
+
+    def generate(self, prompt, max_new_tokens, *, top_k: int = 20) -> Generation:
+        return self.inner.generate(prompt, max_new_tokens, top_k=top_k)
+
+    def corrupt(self, table: TokenLogprobs) -> TokenLogprobs:
+        return table
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _full(table: TokenLogprobs, logprobs: np.ndarray) -> TokenLogprobs:
+    return TokenLogprobs(table.tokens, table.vocab_size, logprobs.astype(np.float32), present=table.present)
+
+
+class ShuffledLogits(WrappedEngine):
+    """A fixed permutation of the vocabulary on every output (a wrong lm_head row order)."""
+
+    def __init__(self, inner: Engine, seed: int = 0):
+        super().__init__(inner)
+        self.perm = np.random.default_rng(seed).permutation(inner.vocab_size)
+
+    def corrupt(self, table: TokenLogprobs) -> TokenLogprobs:
+        return _full(table, table.logprobs[:, self.perm])
+
+    def generate(self, prompt, max_new_tokens, *, top_k: int = 20) -> Generation:
+        gen = self.inner.generate(prompt, max_new_tokens, top_k=top_k)
+        return replace(gen, steps=self.corrupt(gen.steps))
+
+
+class FlatDistribution(WrappedEngine):
+    """Near-uniform outputs whatever the input (a runner returning garbage, catalog #18)."""
+
+    def __init__(self, inner: Engine, temperature: float = 50.0):
+        super().__init__(inner)
+        self.temperature = temperature
+
+    def corrupt(self, table: TokenLogprobs) -> TokenLogprobs:
+        return _full(table, log_softmax(table.logprobs.astype(np.float64) / self.temperature))
+
+    def generate(self, prompt, max_new_tokens, *, top_k: int = 20) -> Generation:
+        gen = self.inner.generate(prompt, max_new_tokens, top_k=top_k)
+        return replace(gen, steps=self.corrupt(gen.steps))
+
+
+class DecodeDrift(WrappedEngine):
+    """Decode steps drift from prefill: noise growing with each step (a KV-cache bug, #11/#16)."""
+
+    def __init__(self, inner: Engine, scale: float = 1.0, seed: int = 0):
+        super().__init__(inner)
+        self.scale = scale
+        self.rng = np.random.default_rng(seed)
+
+    def generate(self, prompt, max_new_tokens, *, top_k: int = 20) -> Generation:
+        gen = self.inner.generate(prompt, max_new_tokens, top_k=top_k)
+        lp = gen.steps.logprobs.astype(np.float64).copy()  # [T, V]
+        rows = np.flatnonzero(gen.steps.present)
+        for step, row in enumerate(rows):
+            noise = self.rng.standard_normal(lp.shape[1]) * self.scale * (step + 1)
+            lp[row] = log_softmax(lp[row] + noise)
+        return replace(gen, steps=_full(gen.steps, lp))

@@ -1,0 +1,187 @@
+"""``--engine hf``: a transformers model built from the GGUF through ggufcheck's rebuild.
+
+Not transformers' own GGUF loader (it lacks MLA / DSA architectures and hides its name
+mapping): the weights come from :func:`ggufcheck.arch.rebuild.iter_hf_tensors` through
+ggufcheck's tensor table, the config from the architecture spec, and the modeling code is
+transformers' (an independent second implementation of the math). Per-layer outputs come
+from forward hooks on the decoder layers, attention and MLP modules.
+
+Config builders exist for the dense families (llama, qwen2, qwen3); MoE / MLA configs
+(deepseek_v3, glm4_moe, glm_moe_dsa) are not built here yet and raise Unsupported.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from ggufcheck.engines.base import LAYER_KINDS, Capabilities, Engine, Generation, LayerTrace, TokenLogprobs, reasons
+from ggufcheck.engines.base import Unsupported
+from ggufcheck.errors import Unavailable
+
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # GGUF arch -> transformers model_type
+
+
+def hf_config(spec: Any) -> dict[str, Any]:
+    """transformers config kwargs for a dense ArchSpec (llama / qwen2 / qwen3)."""
+    if spec.arch not in MODEL_TYPES:
+        raise Unsupported(f"no transformers config builder for {spec.arch!r} yet "
+                          f"(have: {', '.join(MODEL_TYPES)})")
+    cfg = dict(
+        vocab_size=spec.n_vocab, hidden_size=spec.n_embd, intermediate_size=spec.n_ff,
+        num_hidden_layers=spec.n_layer, num_attention_heads=spec.n_head, num_key_value_heads=spec.n_head_kv,
+        head_dim=spec.head_dim_k, rms_norm_eps=spec.rms_eps, rope_theta=spec.rope.base,
+        max_position_embeddings=spec.context_length or 4096, tie_word_embeddings=bool(spec.tied_output),
+        attention_bias=False,
+    )
+    if spec.rope.scaling not in (None, "none"):
+        raise Unsupported(f"rope scaling {spec.rope.scaling!r} is not mapped to a transformers config yet")
+    return cfg
+
+
+class HFEngine(Engine):
+    """A transformers causal LM (``torch.nn.Module``) in ``dtype`` on CPU or CUDA."""
+
+    def __init__(self, module: Any, *, dtype: str = "fp32", name: str = "hf", tokenizer: Any = None):
+        import torch
+
+        self._torch = torch
+        self.module = module.eval()
+        self.vocab_size = int(module.config.vocab_size)
+        self.name = name
+        self._tokenizer = tokenizer
+        self.capabilities = Capabilities(
+            tokenize=tokenizer is not None, score=True, full_vocab=True, max_top_k=self.vocab_size, generate=True,
+            batch=True, chunked_prefill=False, layer_outputs=frozenset({"residual", "attention", "ffn"}),
+            weights=True, activation_dtype=dtype,
+            reasons=reasons(tokenize="no tokenizer was given for this transformers model",
+                            chunked_prefill="not wired for transformers models"),
+        )
+
+    @classmethod
+    def from_gguf(cls, model_path: str | Path, *, dtype: str = "fp32") -> "HFEngine":
+        try:
+            import torch
+            import transformers
+        except ImportError as err:
+            raise Unavailable(f"transformers is not installed ({err})", tip="pip install 'ggufcheck[hf]'") from err
+        from ggufcheck.arch.rebuild import iter_hf_tensors
+        from ggufcheck.arch.spec import spec_for_model
+        from ggufcheck.arch.tables import table_for
+        from ggufcheck.gguf.reader import open_gguf
+
+        torch_dtype = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16,
+                       "fp16": torch.float16}[dtype]
+        with open_gguf(model_path) as model:
+            spec, findings = spec_for_model(model)
+            if spec is None or not getattr(spec, "supported", False):
+                raise Unsupported(f"no architecture spec for this file ({findings or 'unsupported'})")
+            table = table_for(spec)
+            config = transformers.AutoConfig.for_model(MODEL_TYPES.get(spec.arch, spec.arch), **hf_config(spec))
+            module = transformers.AutoModelForCausalLM.from_config(config).to(torch_dtype)
+            state = {name: t.to(torch_dtype) for name, t in
+                     iter_hf_tensors(model, spec, table, layout="transformers", include_nextn=False)}
+            result = module.load_state_dict(state, strict=False)
+            if spec.tied_output:
+                module.tie_weights()
+            tied = {"lm_head.weight"} if spec.tied_output else set()
+            missing = sorted(set(result.missing_keys) - tied)
+            if missing or result.unexpected_keys:
+                raise Unsupported(f"the rebuild does not fit transformers' {spec.arch} model: missing "
+                                  f"{missing[:3]}, unexpected {list(result.unexpected_keys)[:3]}")
+            try:
+                from ggufcheck.tokenizer import load_tokenizer
+
+                tokenizer = load_tokenizer(model)
+            except Exception:  # noqa: BLE001
+                tokenizer = None
+        return cls(module, dtype=dtype, name=f"hf {spec.arch} {dtype} ({Path(model_path).name})", tokenizer=tokenizer)
+
+    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        if self._tokenizer is None:
+            return super().tokenize(text)
+        return list(self._tokenizer.encode(text, add_special=add_special, parse_special=True))
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        if self._tokenizer is None:
+            return super().detokenize(tokens)
+        return self._tokenizer.decode([int(t) for t in tokens])
+
+    def _logprobs(self, batch: list[list[int]]) -> list[np.ndarray]:
+        torch = self._torch
+        width = max(len(s) for s in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)  # [B, T] right-padded
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, s in enumerate(batch):
+            ids[i, :len(s)] = torch.tensor(s)
+            mask[i, :len(s)] = 1
+        with torch.no_grad():
+            logits = self.module(input_ids=ids, attention_mask=mask).logits  # [B, T, V]
+        lp = torch.log_softmax(logits.to(torch.float64), dim=-1).numpy()
+        return [lp[i, :len(s)] for i, s in enumerate(batch)]
+
+    def score(self, tokens: Sequence[int], *, top_k: int = 20) -> TokenLogprobs:
+        tokens = [int(t) for t in tokens]
+        return TokenLogprobs(tokens, self.vocab_size, self._logprobs([tokens])[0])
+
+    def score_batch(self, batch: Sequence[Sequence[int]], *, top_k: int = 20) -> list[TokenLogprobs]:
+        seqs = [[int(t) for t in s] for s in batch]
+        return [TokenLogprobs(s, self.vocab_size, lp) for s, lp in zip(seqs, self._logprobs(seqs))]
+
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, *, top_k: int = 20) -> Generation:
+        torch = self._torch
+        prompt = [int(t) for t in prompt]
+        n = len(prompt) + max_new_tokens
+        table = np.zeros((n, self.vocab_size))
+        generated: list[int] = []
+        with torch.no_grad():
+            out = self.module(input_ids=torch.tensor([prompt]), use_cache=True)
+            for step in range(max_new_tokens):
+                row = torch.log_softmax(out.logits[0, -1].to(torch.float64), dim=-1).numpy()
+                table[len(prompt) - 1 + step] = row
+                token = int(np.argmax(row))
+                generated.append(token)
+                if step + 1 < max_new_tokens:
+                    out = self.module(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values,
+                                      use_cache=True)
+        present = np.zeros(n, dtype=bool)
+        present[len(prompt) - 1:len(prompt) - 1 + max_new_tokens] = True
+        return Generation(np.array(prompt), np.array(generated),
+                          TokenLogprobs(prompt + generated, self.vocab_size, table, present=present))
+
+    def layer_outputs(self, tokens: Sequence[int], kinds: Sequence[str] = LAYER_KINDS) -> LayerTrace:
+        torch = self._torch
+        layers = self.module.model.layers
+        out: dict[tuple[str, int], np.ndarray] = {}
+        hooks = []
+
+        def keep(kind: str, i: int):
+            def hook(_mod, _inp, output):
+                value = output[0] if isinstance(output, tuple) else output
+                out[(kind, i)] = value[0].detach().float().numpy()  # [T, D]
+            return hook
+
+        for i, layer in enumerate(layers):
+            if "residual" in kinds:
+                hooks.append(layer.register_forward_hook(keep("residual", i)))
+            if "attention" in kinds:
+                hooks.append(layer.self_attn.register_forward_hook(keep("attention", i)))
+            if "ffn" in kinds:
+                hooks.append(layer.mlp.register_forward_hook(keep("ffn", i)))
+        try:
+            with torch.no_grad():
+                self.module(input_ids=torch.tensor([[int(t) for t in tokens]]))
+        finally:
+            for h in hooks:
+                h.remove()
+        return LayerTrace(np.array([int(t) for t in tokens]), out)
+
+    def weight(self, hf_name: str, *, rank: int = 0) -> np.ndarray:
+        if rank != 0:
+            raise Unsupported("a single-process transformers model has only rank 0")
+        params = dict(self.module.named_parameters())
+        if hf_name not in params:
+            raise Unsupported(f"the transformers model has no parameter {hf_name!r}")
+        return params[hf_name].detach().float().numpy()

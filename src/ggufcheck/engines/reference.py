@@ -1,0 +1,122 @@
+"""``--engine reference``: ggufcheck's own readable model (ggufcheck.reference) as an Engine.
+
+The reference computes in fp64 (the trusted comparison point) or fp32; the compare stage
+runs it at fp64 for the distribution every engine is compared with, and at fp32 (or the
+engine's dtype when it can) for the baseline: how far a correct low-precision run lands
+from fp64. Prefill is one forward pass; ``generate`` is the reference's own token-by-token
+decode through its KV cache; ``layer_outputs`` comes from its recorded trace.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from ggufcheck.engines.base import LAYER_KINDS, Capabilities, Engine, Generation, LayerTrace, TokenLogprobs, reasons
+
+
+class ReferenceEngine(Engine):
+    """The reference model over a GGUF file, ``dtype`` "fp64" (default) or "fp32"."""
+
+    def __init__(self, model_path: str | Path, *, dtype: str = "fp64", device: str = "cpu", **options: Any):
+        import torch
+
+        from ggufcheck.reference.model import ReferenceModel
+
+        self._torch = torch
+        self.model = ReferenceModel(model_path, dtype=dtype, device=device, **options)
+        self.dtype = dtype
+        self.vocab_size = int(self.model.gguf.tensors["token_embd.weight"].shape[0])
+        self.name = f"reference {dtype} ({Path(model_path).name})"
+        self._tokenizer = None
+        tokenizer_ok, why = self._load_tokenizer()
+        self.capabilities = Capabilities(
+            tokenize=tokenizer_ok, score=True, full_vocab=True, max_top_k=self.vocab_size, generate=True,
+            batch=False, chunked_prefill=True, layer_outputs=frozenset({"residual", "attention", "ffn", "router",
+                                                                        "indexer"}),
+            activation_dtype=dtype,
+            reasons=reasons(tokenize=why or "", batch="the reference runs one sequence at a time (it is the oracle)",
+                            weights="use ggufcheck.reference.weights for the reference's own weights"),
+        )
+
+    def _load_tokenizer(self) -> tuple[bool, str | None]:
+        try:
+            from ggufcheck.tokenizer import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.model.gguf)
+            return True, None
+        except Exception as err:  # noqa: BLE001 - any tokenizer problem just removes the capability
+            return False, f"the GGUF's tokenizer is unavailable here: {err}"
+
+    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        if self._tokenizer is None:
+            return super().tokenize(text)
+        return list(self._tokenizer.encode(text, add_special=add_special, parse_special=True))
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        if self._tokenizer is None:
+            return super().detokenize(tokens)
+        return self._tokenizer.decode([int(t) for t in tokens])
+
+    def _table(self, tokens: list[int], logits: Any) -> TokenLogprobs:
+        logp = self._torch.log_softmax(logits.to(self._torch.float64), dim=-1).cpu().numpy()  # [T, V]
+        return TokenLogprobs(tokens, self.vocab_size, logp)
+
+    def score(self, tokens: Sequence[int], *, top_k: int = 20) -> TokenLogprobs:
+        tokens = [int(t) for t in tokens]
+        with self._torch.no_grad():
+            logits = self.model.prefill(tokens, trace=False)  # [T, V]
+        return self._table(tokens, logits)
+
+    def score_chunked(self, tokens: Sequence[int], chunk_size: int, *, top_k: int = 20) -> TokenLogprobs:
+        from ggufcheck.reference.cache import KVCache
+
+        tokens = [int(t) for t in tokens]
+        cache = KVCache()
+        with self._torch.no_grad():
+            parts = [self.model.forward(tokens[i:i + chunk_size], cache)[0] for i in range(0, len(tokens), chunk_size)]
+        return self._table(tokens, self._torch.cat(parts, dim=0))
+
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, *, top_k: int = 20) -> Generation:
+        from ggufcheck.reference.cache import KVCache
+
+        prompt = [int(t) for t in prompt]
+        cache = KVCache()
+        n = len(prompt) + max_new_tokens
+        table = np.zeros((n, self.vocab_size), dtype=np.float64)  # [T, V]
+        generated: list[int] = []
+        with self._torch.no_grad():
+            logits = self.model.forward(prompt, cache)[0][-1]
+            for step in range(max_new_tokens):
+                row = self._torch.log_softmax(logits.to(self._torch.float64), dim=-1).cpu().numpy()
+                table[len(prompt) - 1 + step] = row
+                token = int(np.argmax(row))
+                generated.append(token)
+                if step + 1 < max_new_tokens:
+                    logits = self.model.forward([token], cache)[0][-1]
+        present = np.zeros(n, dtype=bool)
+        present[len(prompt) - 1:len(prompt) - 1 + max_new_tokens] = True
+        steps = TokenLogprobs(prompt + generated, self.vocab_size, table, present=present)
+        return Generation(np.array(prompt), np.array(generated), steps)
+
+    def layer_outputs(self, tokens: Sequence[int], kinds: Sequence[str] = LAYER_KINDS) -> LayerTrace:
+        tokens = [int(t) for t in tokens]
+        with self._torch.no_grad():
+            trace = self.model.prefill(tokens, trace=True)
+        fields = {"residual": "hidden", "attention": "attn_out", "ffn": "ffn_out", "router": "expert_ids",
+                  "indexer": "topk"}
+        out: dict[tuple[str, int], np.ndarray] = {}
+        for i, layer in enumerate(trace.layers):
+            for kind in kinds:
+                value = getattr(layer, fields.get(kind, ""), None)
+                if value is not None:
+                    out[(kind, i)] = value.detach().cpu().numpy()
+        return LayerTrace(np.array(tokens), out)
+
+    def close(self) -> None:
+        model = getattr(self, "model", None)
+        if model is not None:
+            model.close()
+            self.model = None

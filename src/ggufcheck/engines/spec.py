@@ -1,0 +1,72 @@
+"""``--engine SPEC`` strings -> an open Engine.
+
+    reference[:fp32|fp64]        ggufcheck's reference model over MODEL.gguf
+    hf[:fp32|bf16|fp16|fp64]     transformers model rebuilt from MODEL.gguf by ggufcheck
+    llama-cpp[:key=value,...]    llama.cpp in process (n_ctx=, n_threads=, n_batch=)
+    http://HOST:PORT[/v1][?kind=vllm|llama-cpp-python|llama-server]
+    python:MODULE:FACTORY        a user's own engine: FACTORY(model_path) -> Engine
+
+Heavy libraries are imported only by the adapter a spec names.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ggufcheck.engines.base import Engine
+from ggufcheck.errors import UsageError
+
+SPEC_HELP = "reference[:fp32], hf[:bf16], llama-cpp[:n_ctx=N,n_threads=N], http://HOST:PORT[/v1], python:MODULE:FACTORY"
+
+
+def _options(text: str, spec: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not value.isdigit():
+            raise UsageError(f"--engine {spec}: bad option {item!r}", tip="options are key=INTEGER, comma-separated")
+        out[key] = int(value)
+    return out
+
+
+def open_engine(spec: str, model_path: str | Path | None, **kwargs) -> Engine:
+    """Open the engine ``spec`` names, for the model at ``model_path``."""
+    head, _, rest = spec.partition(":")
+    if spec.startswith(("http://", "https://")):
+        from ggufcheck.engines.http import HttpEngine, HttpOptions
+
+        try:
+            return HttpEngine(spec, model_path=model_path, options=kwargs.pop("http_options", HttpOptions()))
+        except ValueError as err:
+            raise UsageError(f"--engine {spec}: {err}") from err
+    if head == "python":
+        from ggufcheck.engines.plugin import load_plugin
+
+        return load_plugin(rest, model_path)
+    if model_path is None:
+        raise UsageError(f"--engine {spec} needs the model file")
+    if head == "llama-cpp":
+        from ggufcheck.engines.llama_cpp import LlamaCppEngine
+
+        allowed = {"n_ctx", "n_threads", "n_batch", "seed"}
+        opts = _options(rest, spec)
+        unknown = set(opts) - allowed
+        if unknown:
+            raise UsageError(f"--engine {spec}: unknown option(s) {', '.join(sorted(unknown))}",
+                             tip=f"known: {', '.join(sorted(allowed))}")
+        return LlamaCppEngine(model_path, **{**kwargs, **opts})
+    if head == "reference":
+        from ggufcheck.engines.reference import ReferenceEngine
+
+        dtype = rest or "fp64"
+        if dtype not in ("fp32", "fp64"):
+            raise UsageError(f"--engine {spec}: the reference computes in fp32 or fp64")
+        return ReferenceEngine(model_path, dtype=dtype, **kwargs)
+    if head == "hf":
+        from ggufcheck.engines.hf import HFEngine
+
+        dtype = rest or "fp32"
+        if dtype not in ("fp32", "fp64", "bf16", "fp16"):
+            raise UsageError(f"--engine {spec}: dtype must be fp32, fp64, bf16 or fp16")
+        return HFEngine.from_gguf(model_path, dtype=dtype)
+    raise UsageError(f"--engine {spec}: unknown engine", tip=f"one of: {SPEC_HELP}")
