@@ -70,6 +70,18 @@ def test_synthetic_fatbinary_lists_sass_and_ptx_arches(tmp_path):
     assert scan["sections"] == [".nv_fatbin"]
 
 
+def test_relocatable_device_code_is_kept_apart(tmp_path):
+    """``__nv_relfatbin`` holds code for device linking; the runtime loads ``.nv_fatbin`` only."""
+    path = _write(tmp_path, {".nv_fatbin": _container(_entry(2, 90, b"linked")),
+                             "__nv_relfatbin": _container(_entry(2, 89, b"reloc"), _entry(1, 120, b"p"))})
+    scan = fatbin.scan_file(path)
+    assert (scan["sass"], scan["ptx"]) == ([90], [])
+    assert (scan["relocatable_sass"], scan["relocatable_ptx"]) == ([89], [120])
+    only_rel = _write(tmp_path, {"__nv_relfatbin": _container(_entry(2, 80, b"reloc"))})
+    scan = fatbin.scan_file(only_rel)
+    assert scan["sass"] == [] and scan["relocatable_sass"] == [80] and scan["entries"] == 1
+
+
 @pytest.mark.parametrize("sass,ptx,cc,want", [
     ([80, 90], [], (9, 0), "sass"),
     ([80], [], (8, 6), "sass"),  # same major, lower minor: binary compatible
@@ -114,8 +126,10 @@ def test_real_shared_object_with_device_code_if_installed():
     scan = fatbin.scan_file(str(path))
     assert scan["entries"] > 0 and (scan["sass"] or scan["ptx"])
     cross = fatbin.cuobjdump_archs(str(path))
-    if cross is not None and not cross["errors"]:
-        assert cross["sass"] == scan["sass"] and cross["ptx"] == scan["ptx"]
+    if cross is not None and not cross["errors"]:  # cuobjdump may also list relocatable code
+        union = (sorted(set(scan["sass"]) | set(scan.get("relocatable_sass", []))),
+                 sorted(set(scan["ptx"]) | set(scan.get("relocatable_ptx", []))))
+        assert (cross["sass"], cross["ptx"]) in ((scan["sass"], scan["ptx"]), union)
 
 
 def _messages(verdict_sass: list[int], ptx: list[int]) -> list[dict]:

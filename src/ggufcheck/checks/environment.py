@@ -135,12 +135,13 @@ def _package_result(m: dict) -> Result:
 def binary_results(name: str, files: list[dict], summary: dict, gpu: dict | None) -> list[Result]:
     """One result for a package's compiled GPU code, one for the cuobjdump cross-check."""
     check = f"kernel.binary.{name}"
-    device = [f for f in files if f.get("entries")]
+    device = [f for f in files if f.get("sass") or f.get("ptx")]  # code the runtime loads
     broken = [f for f in files if f.get("error")]
     stats = {"files_scanned": summary.get("files", len(files)),
              "files_with_device_code": len(device),
-             "files": {f["file"]: {"sass": f.get("sass"), "ptx": f.get("ptx"),
-                                   "verdict": f.get("verdict")} for f in device}}
+             "files": {f["file"]: {k: f.get(k) for k in ("sass", "ptx", "verdict", "sections",
+                                                         "relocatable_sass", "relocatable_ptx")
+                                   if f.get(k) is not None} for f in files if f.get("entries")}}
     results: list[Result] = []
     if broken:
         results.append(errored(f"{check}.unreadable", "kernel",
@@ -187,9 +188,14 @@ def _cuobjdump_result(name: str, device: list[dict]) -> Result:
         c = f["cuobjdump"]
         if c.get("errors"):
             continue
-        if sorted(c["sass"]) != sorted(f["sass"]) or sorted(c["ptx"]) != sorted(f["ptx"]):
-            disagree.append(f"{_short(f['file'])}: ours SASS {f['sass']} PTX {f['ptx']}, "
-                            f"cuobjdump SASS {c['sass']} PTX {c['ptx']}")
+        ours = (sorted(f["sass"]), sorted(f["ptx"]))
+        union = (sorted(set(f["sass"]) | set(f.get("relocatable_sass", []))),
+                 sorted(set(f["ptx"]) | set(f.get("relocatable_ptx", []))))
+        theirs = (sorted(c["sass"]), sorted(c["ptx"]))
+        if theirs not in (ours, union):
+            disagree.append(f"{_short(f['file'])}: ours SASS {f['sass']} PTX {f['ptx']} "
+                            f"(relocatable SASS {f.get('relocatable_sass', [])} PTX "
+                            f"{f.get('relocatable_ptx', [])}), cuobjdump SASS {c['sass']} PTX {c['ptx']}")
     errors = [f"{_short(f['file'])}: {f['cuobjdump']['errors'][0]}" for f in crossed
               if f["cuobjdump"].get("errors")]
     stats = {"cross_checked": len(crossed), "disagree": disagree, "cuobjdump_errors": errors}

@@ -120,22 +120,27 @@ def fatbin_entries(f, offset: int, size: int) -> list[dict]:
 
 
 def scan_file(path: str) -> dict:
-    """{'sass': sorted arches with SASS, 'ptx': sorted arches with PTX, 'sections': [...]}."""
+    """Arches of the code a library loads at run time (``.nv_fatbin``: 'sass', 'ptx') and,
+    apart, of relocatable device code kept for device linking (``__nv_relfatbin``:
+    'relocatable_sass', 'relocatable_ptx'), which the CUDA runtime never loads."""
     with open(path, "rb") as f:
         sections = elf_sections(f)
         found = [(n, sections[n]) for n in FATBIN_SECTIONS if n in sections]
-        sass: set[int] = set()
-        ptx: set[int] = set()
+        arches = {n: {"sass": set(), "ptx": set()} for n in FATBIN_SECTIONS}
         count = 0
-        for _name, (offset, size) in found:
+        for name, (offset, size) in found:
             for e in fatbin_entries(f, offset, size):
                 count += 1
                 if e["kind"] == "ptx":
-                    ptx.add(e["arch"])
+                    arches[name]["ptx"].add(e["arch"])
                 elif e["kind"] == "elf":
-                    sass.add(e["arch"])
-    return {"sass": sorted(sass), "ptx": sorted(ptx), "sections": [n for n, _ in found],
-            "entries": count}
+                    arches[name]["sass"].add(e["arch"])
+    run, rel = arches[".nv_fatbin"], arches["__nv_relfatbin"]
+    out = {"sass": sorted(run["sass"]), "ptx": sorted(run["ptx"]),
+           "sections": [n for n, _ in found], "entries": count}
+    if rel["sass"] or rel["ptx"]:
+        out.update(relocatable_sass=sorted(rel["sass"]), relocatable_ptx=sorted(rel["ptx"]))
+    return out
 
 
 def verdict(sass: list[int], ptx: list[int], major: int, minor: int) -> str:

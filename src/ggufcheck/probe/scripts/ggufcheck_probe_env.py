@@ -187,7 +187,7 @@ def scan_extensions(name: str, directory: str, gpu: dict | None, budget: list[fl
         if not scan["entries"]:
             plain += 1
             continue
-        if gpu and scan["entries"]:
+        if gpu and (scan["sass"] or scan["ptx"]):
             message["verdict"] = fatbin.verdict(scan["sass"], scan["ptx"], gpu["major"], gpu["minor"])
         if scan["entries"] and budget[0] > 0:
             t0 = time.monotonic()
