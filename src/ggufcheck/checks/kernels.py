@@ -181,7 +181,7 @@ def attention_shapes(shapes: ModelShapes | None) -> list[dict]:
     h = max(ratio, (h // ratio) * ratio)
     return [{"name": f"gqa_{shapes.heads}x{shapes.kv_heads}_{shapes.head_dim_qk}", "h": h,
              "g": h // ratio, "t": 1024, "s": 1024, "d": shapes.head_dim_qk, "e": shapes.head_dim_v,
-             "causal": True, "real_qkv": True}]
+             "causal": True}]
 
 
 # ----------------------------------------------------------------------------- model data
@@ -284,29 +284,25 @@ def model_data(model, shapes: ModelShapes, plan: list[dict], path: Path, rows: i
         take = min(proj.n_rows, 2048)
         data["weight.linear"] = dequantize_tensor(model, proj.name, rows=slice(0, take)).float()
         notes["linear"] = f"first {take} rows of {proj.name}"
-    if "activations" in data and not shapes.mla and all(
-            f"blk.0.attn_{p}.weight" in tensors for p in "qkv"):
-        x = data["activations"]  # (T, D)
-        for spec in plan:
-            shape = spec.get("shape", {})
-            if spec["kind"] != "sdpa" or not shape.get("real_qkv") or f"attn.{shape['name']}" in data:
-                continue
-            q = x @ dequantize_tensor(model, "blk.0.attn_q.weight").float().T
-            k = x @ dequantize_tensor(model, "blk.0.attn_k.weight").float().T
-            v = x @ dequantize_tensor(model, "blk.0.attn_v.weight").float().T
-            t = x.shape[0]
-            d, e = shapes.head_dim_qk, shapes.head_dim_v
-            data[f"attn.{shape['name']}"] = {
-                "q": q.view(t, -1, d).transpose(0, 1)[: shape["h"]].unsqueeze(0).contiguous(),  # (1,H,T,D)
-                "k": k.view(t, -1, d).transpose(0, 1)[: shape["g"]].unsqueeze(0).contiguous(),
-                "v": v.view(t, -1, e).transpose(0, 1)[: shape["g"]].unsqueeze(0).contiguous()}
-            notes["attention"] = (f"real layer-0 q/k/v (before RoPE) of {t} tokens, first "
-                                  f"{shape['h']} heads; sequence length {t}, not the plan's 1024")
-        for spec in plan:  # the real sequence is shorter: shrink those cases to it
-            if spec["kind"] == "sdpa" and spec["shape"].get("real_qkv") and spec["when"] == "cuda":
-                spec["shape"] = dict(spec["shape"], t=x.shape[0], s=x.shape[0])
-    if shapes.mla:
-        notes["attention"] = "MLA q/k/v are random normal (real MLA activations need the reference model)"
+    try:
+        from ggufcheck.probe.activations import real_activations
+
+        real, real_notes = real_activations(model.path)
+        data.update(real)
+        notes.update(real_notes)
+        notes["activations"] = "layer-0 attention inputs from the reference model (fp32)"
+    except Exception as err:  # noqa: BLE001 - any reference failure: say so, use weights only
+        notes["reference"] = (f"reference activations unavailable ({type(err).__name__}: {err}); "
+                              "attention inputs are random, other inputs embedding rows")
+    for spec in plan:  # point attention cases at the real q/k/v and their true lengths
+        if spec["kind"] != "sdpa":
+            continue
+        name = spec["shape"]["name"]
+        key = "attn.gqa" if name.startswith("gqa") else "attn.prefill" if "prefill" in name else "attn.decode"
+        if key in data:
+            real_q, real_k = data[key]["q"], data[key]["k"]
+            spec["shape"] = dict(spec["shape"], real=key, t=real_q.shape[2], s=real_k.shape[2],
+                                 scale=float(data[key]["scale"]))
     for qtype in shapes.qtypes:
         info = next((t for t in tensors.values() if t.qtype.name == qtype), None)
         if info is None:

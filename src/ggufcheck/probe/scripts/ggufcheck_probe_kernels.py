@@ -96,11 +96,14 @@ def attention_inputs(shape: dict, dtype: str, device: str, seed: int, data: dict
     b, h, g = shape.get("b", 1), shape["h"], shape["g"]
     t, s, d, e = shape["t"], shape["s"], shape["d"], shape["e"]
     dt = _dt(dtype)
-    real = (data or {}).get(f"attn.{shape['name']}")
-    if real is not None:  # real q/k/v from the model's weights (see ggufcheck.checks.kernels)
-        q = real["q"][..., :t, :].to(dt).to(device)
-        k = real["k"][..., :s, :].to(dt).to(device)
-        v = real["v"][..., :s, :].to(dt).to(device)
+    real = (data or {}).get(shape.get("real", ""))
+    if real is not None:  # real q/k/v from the reference model (see ggufcheck.probe.activations)
+        q, k, v = real["q"][:, :h], real["k"], real["v"]
+        if k.shape[1] == 1 and g > 1:  # MLA's one latent key, expanded to every head
+            k, v = k.expand(-1, g, -1, -1), v.expand(-1, g, -1, -1)
+        else:
+            k, v = k[:, :g], v[:, :g]
+        q, k, v = (x.contiguous().to(dt).to(device) for x in (q, k, v))
     else:
         q = _randn((b, h, t, d), dt, device, seed)
         k = _randn((b, g, s, d), dt, device, seed + 1)
@@ -234,6 +237,9 @@ def rmsnorm_case(spec: dict, data: dict | None) -> KernelCase:
 
     def prepare():
         dt = _dt(dtype)
+        pair = (data or {}).get(f"rmsnorm.{dim}")  # the real input and weight of this norm
+        if pair is not None:
+            return {"x": pair["x"][:rows].to(dt).to(device), "w": pair["w"].to(dt).to(device)}
         real = (data or {}).get(f"norm.{dim}")
         w = real.to(dt).to(device) if real is not None else \
             (1.0 + 0.1 * _randn((dim,), torch.float32, "cpu", 5)).to(dt).to(device)
@@ -370,7 +376,7 @@ def router_case(spec: dict, data: dict | None) -> KernelCase:
         w = w.to(dt).to(device) if w is not None else _randn((e, dim), dt, device, 3, 0.02)
         bias = real.get("router.bias")
         bias = bias.float().to(device) if bias is not None else torch.zeros(e, device=device)
-        act = real.get("activations")
+        act = real.get("router_input", real.get("activations"))
         x = act[:t].to(dt).to(device) if act is not None and act.shape[-1] == dim else \
             _randn((t, dim), dt, device, spec.get("seed", 0))
         return {"x": x, "w": w, "bias": bias, "k": k}
