@@ -18,6 +18,7 @@ class ExitStatus(enum.IntEnum):
     FINDINGS = 1  # a check failed: the report says which
     USAGE = 2  # bad arguments or an unreadable / malformed input file
     ENGINE_UNREACHABLE = 3  # the engine under test did not answer usably
+    INTERNAL = 4  # a defect in ggufcheck itself (the message asks for a report)
 
 
 class GGUFCheckError(Exception):

@@ -7,14 +7,15 @@ integrity and health check; the checks that need a table are SKIPPED with that r
 
 from __future__ import annotations
 
+from ggufcheck.checks.mapping import mapping_stage
 from ggufcheck.gguf.reader import GGUFModel
-from ggufcheck.results import Result, skipped
+from ggufcheck.results import Result
 
 
 def architecture_results(model: GGUFModel, tp: int | None = None) -> list[Result]:
-    arch = model.architecture or "unknown"
-    out = [skipped("metadata.spec", "metadata", f"no architecture spec is wired yet for {arch!r}")]
-    out.append(skipped("mapping.tensors", "mapping", f"no tensor table is wired yet for {arch!r}"))
+    out = mapping_stage(model)  # the metadata spec's findings, then the mapping check
     if tp is not None:
-        out.append(skipped("sharding.plan", "sharding", f"no shard plan is wired yet for {arch!r} at TP {tp}"))
+        from ggufcheck.checks.sharding import plan_results
+
+        out.extend(plan_results(model, tp))
     return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from ggufcheck import __version__
@@ -56,3 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ggufcheck: interrupted", file=sys.stderr)
         return 130
+    except Exception as err:  # a defect in ggufcheck: one line, the traceback only on request
+        if os.environ.get("GGUFCHECK_DEBUG"):
+            raise
+        print(f"ggufcheck {args.command}: internal error: {type(err).__name__}: {err}", file=sys.stderr)
+        print("tip: this is a ggufcheck bug; rerun with GGUFCHECK_DEBUG=1 for the traceback and report it",
+              file=sys.stderr)
+        return int(ExitStatus.INTERNAL)

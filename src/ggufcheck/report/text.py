@@ -10,6 +10,7 @@ from collections import defaultdict
 from typing import Iterable
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ggufcheck.results import Result, StageReport, Status
@@ -40,12 +41,9 @@ def human_count(n: float) -> str:
 def render_stage(console: Console, stage: StageReport, verbose: bool = False) -> None:
     table = Table(title=f"stage: {stage.stage}  {status_text(stage.status)}", title_justify="left",
                   show_lines=False, expand=True)
-    show_where = any(_where(r) for r in stage.results)
     table.add_column("status", no_wrap=True)
-    table.add_column("check", overflow="fold", max_width=34)
-    if show_where:
-        table.add_column("where", overflow="fold", max_width=30)
-    table.add_column("message", overflow="fold", ratio=1)
+    table.add_column("check", overflow="fold", max_width=30)
+    table.add_column("where: message", overflow="fold", ratio=1)
     by_check: dict[str, list[Result]] = defaultdict(list)
     for r in stage.results:
         by_check[r.check].append(r)
@@ -54,11 +52,11 @@ def render_stage(console: Console, stage: StageReport, verbose: bool = False) ->
         others = [r for r in results if r.status != Status.PASS]
         shown = passes if verbose or len(passes) <= MAX_PASS_ROWS_PER_CHECK else []
         for r in others + shown:
-            row = [status_text(r.status), check] + ([_where(r)] if show_where else []) + [r.message]
-            table.add_row(*row)
+            where = _where(r)
+            table.add_row(status_text(r.status), check, f"[cyan]{escape(where)}[/]: {escape(r.message)}"
+                          if where else escape(r.message))
         if len(shown) < len(passes):
-            row = [status_text(Status.PASS), check] + ([f"{len(passes)} items"] if show_where else [])
-            table.add_row(*row, f"all {len(passes)} passed (--verbose lists them)")
+            table.add_row(status_text(Status.PASS), check, f"all {len(passes)} passed (--verbose lists them)")
     console.print(table)
 
 
