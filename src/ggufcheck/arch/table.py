@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import enum
+import functools
 import operator
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -121,6 +122,11 @@ _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
         ast.FloorDiv: operator.floordiv}
 
 
+@functools.lru_cache(maxsize=None)
+def _parse(expr: str) -> ast.Expression:
+    return ast.parse(expr, mode="eval")
+
+
 def eval_dim(expr: str, dims: dict[str, int]) -> int:
     """Evaluate ``"H*(P+R)"``-style expressions: names, integers, + - * //."""
 
@@ -137,7 +143,7 @@ def eval_dim(expr: str, dims: dict[str, int]) -> int:
             return node.value
         raise ValueError(f"unsupported shape expression {expr!r}")
 
-    return walk(ast.parse(expr, mode="eval"))
+    return walk(_parse(expr))
 
 
 def shape_of(row: Row, spec: ArchSpec) -> tuple[int, ...]:
