@@ -137,6 +137,10 @@ def build_plan(shapes: ModelShapes | None = None, options: KernelOptions = Kerne
                               shape={"t": 64 if when == "cuda" else 8, "in": hidden,
                                      "out": 2048 if when == "cuda" else 64,
                                      "tensor": "linear"}))
+        for dt in dtypes[:1]:
+            plan.append(_spec("fused_moe", when, device, dt, f"{experts}x{used}",
+                              shape={"t": 16, "dim": min(hidden, 2048), "inter": 256,
+                                     "experts": experts, "k": used}))
         for qtype in (shapes.qtypes if shapes else DEFAULT_QTYPES):
             plan.append(_spec("dequant", when, device, "float32", f"ggufcheck.{qtype}", impl="ggufcheck",
                               qtype=qtype, ggufcheck_src=SRC_ROOT))

@@ -23,7 +23,8 @@ from ggufcheck.report.json import report_json, write_json
 from ggufcheck.report.text import render_stage, render_totals, status_text
 from ggufcheck.results import StageReport, Status
 
-KINDS = ("sdpa", "varlen", "rmsnorm", "rope", "router", "indexer", "linear", "dequant", "ggml_matmul")
+KINDS = ("sdpa", "varlen", "rmsnorm", "rope", "router", "indexer", "linear", "dequant", "ggml_matmul",
+         "fused_moe")
 
 
 @dataclass(frozen=True)

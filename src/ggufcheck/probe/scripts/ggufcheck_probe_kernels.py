@@ -569,9 +569,51 @@ def ggml_matmul_case(spec: dict, data: dict | None) -> KernelCase:
         multiple=8.0, info={"op": op_name, "qtype": qtype})
 
 
+def fused_moe_case(spec: dict, data: dict | None) -> KernelCase:
+    """vLLM's fused_experts (unquantized) against an explicit fp64 loop over experts."""
+    shape, dtype, device = spec["shape"], spec["dtype"], spec["device"]
+    t, dim, inter, e, k = shape["t"], shape["dim"], shape["inter"], shape["experts"], shape["k"]
+
+    def load():
+        if not device.startswith("cuda"):
+            raise Unsupported("vLLM's fused MoE runs only on CUDA")
+        module = _import("vllm.model_executor.layers.fused_moe")
+        fn = getattr(module, "fused_experts", None)
+        if fn is None:
+            raise AttributeError("vllm.model_executor.layers.fused_moe has no fused_experts")
+        return fn
+
+    def prepare():
+        dt = _dt(dtype)
+        x = _randn((t, dim), dt, device, 41)
+        w13 = _randn((e, 2 * inter, dim), dt, device, 42, scale=dim ** -0.5)  # [E, gate;up, D]
+        w2 = _randn((e, dim, inter), dt, device, 43, scale=inter ** -0.5)  # [E, D, I]
+        logits = _randn((t, e), torch.float32, device, 44)
+        weights, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
+        return {"x": x, "w13": w13, "w2": w2, "weights": weights, "ids": ids.to(torch.int32)}
+
+    def loop(x, dt):
+        out = torch.zeros(t, dim, dtype=dt, device=x["x"].device)
+        xs = x["x"].to(dt)
+        for token in range(t):
+            for slot in range(k):
+                ex = int(x["ids"][token, slot])
+                gu = x["w13"][ex].to(dt) @ xs[token]  # [2I]
+                act = torch.nn.functional.silu(gu[:inter]) * gu[inter:]
+                out[token] += x["weights"][token, slot].to(dt) * (x["w2"][ex].to(dt) @ act)
+        return out
+
+    return KernelCase(
+        id=spec["id"], kind="fused_moe", dtype=dtype, device=device, load=load, prepare=prepare,
+        execute=lambda fn, x, out: fn(x["x"], x["w13"], x["w2"], x["weights"], x["ids"]),
+        reference=lambda x: loop(x, torch.float64), baseline=lambda x: loop(x, _dt(dtype)),
+        baseline_doc="the same loop over experts with every op in the dtype",
+        out_spec=lambda x: (tuple(x["x"].shape), x["x"].dtype), info={"shape": shape})
+
+
 BUILDERS = {"sdpa": sdpa_case, "varlen": varlen_case, "rmsnorm": rmsnorm_case, "rope": rope_case,
             "router": router_case, "indexer": indexer_case, "linear": linear_case,
-            "dequant": dequant_case, "ggml_matmul": ggml_matmul_case}
+            "dequant": dequant_case, "ggml_matmul": ggml_matmul_case, "fused_moe": fused_moe_case}
 
 
 def main() -> None:
