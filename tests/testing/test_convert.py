@@ -1,0 +1,100 @@
+"""The converter pipeline: caching, races, clear errors, and llama.cpp agreeing with transformers.
+
+The last test is the end-to-end check that a converted tiny file means what the HF model
+means: llama.cpp (through llama-cpp-python) and transformers, two implementations we did
+not write, give the same log-probabilities on the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ggufcheck.errors import GGUFCheckError, Unavailable
+from ggufcheck.testing import convert
+
+pytestmark = pytest.mark.hf
+
+
+def test_cached_call_returns_the_same_files_without_rebuilding(tiny_converted):
+    first = tiny_converted("llama", "f32")
+    stamp = first.gguf_path.stat().st_mtime_ns
+    again = convert.tiny_converted("llama", "f32")
+    assert again == first and again.gguf_path.stat().st_mtime_ns == stamp
+    config = json.loads((first.hf_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["vocab_size"] == convert.VOCAB_SIZE
+
+
+def test_two_processes_racing_on_a_cold_cache(tmp_path, tiny_converted):
+    tiny_converted("llama", "f32")  # skip early if the converter is unavailable
+    code = ("import sys; from ggufcheck.testing.convert import tiny_converted; "
+            "print(tiny_converted('llama', 'f32', cache_dir=sys.argv[1]).gguf_path)")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    paths = {o[0].strip() for o in outs}
+    assert len(paths) == 1
+    root = tmp_path / "tiny-converted"
+    built = sorted(p.name for p in root.iterdir() if not p.name.endswith(".lock"))
+    assert len(built) == 2 and any(n.endswith("-f32.gguf") for n in built)  # one HF dir, one GGUF
+    assert not [p for p in root.iterdir() if p.name.startswith(".")]  # no temp leftovers
+
+
+def test_bad_llama_cpp_source_is_unavailable(monkeypatch, tmp_path):
+    monkeypatch.setenv("GGUFCHECK_LLAMA_CPP_SRC", str(tmp_path))
+    with pytest.raises(Unavailable, match="convert_hf_to_gguf.py"):
+        convert.llama_cpp_source()
+
+
+def test_converter_failure_reports_its_stderr(tmp_path, tiny_converted):
+    tiny_converted("llama", "f32")  # skip early if the converter is unavailable
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["NoSuchModelForCausalLM"]}))
+    with pytest.raises(GGUFCheckError, match="NoSuchModelForCausalLM"):
+        convert.convert_to_gguf(tmp_path, tmp_path / "out.gguf", "f32")
+
+
+def test_unknown_arch_and_outtype_are_clear_errors(tmp_path):
+    with pytest.raises(GGUFCheckError, match="unknown tiny arch"):
+        convert.tiny_converted("gpt5", cache_dir=tmp_path)
+    with pytest.raises(GGUFCheckError, match="unknown outtype"):
+        convert.tiny_converted("llama", "q4_k", cache_dir=tmp_path)
+
+
+def _llama_cpp_logprobs(path, tokens):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=1)
+    llm.eval(tokens)
+    logits = np.array(llm.scores[:len(tokens)], dtype=np.float64)
+    llm.close()
+    return logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+
+
+def _transformers_logprobs(hf_dir, tokens):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager")
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0].double()
+    return torch.log_softmax(logits, -1).numpy()
+
+
+@pytest.mark.llama
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "glm4moe", "deepseek2", "deepseek2-yarn", "glm-dsa"])
+def test_llama_cpp_agrees_with_transformers(tiny_converted, arch):
+    m = tiny_converted(arch, "f32")
+    # 8 tokens: not longer than glm-dsa's index_topk, so its sparse attention is dense here
+    tokens = [int(t) for t in np.random.default_rng(5).integers(0, convert.VOCAB_SIZE, 8)]
+    ours = _llama_cpp_logprobs(m.gguf_path, tokens)
+    theirs = _transformers_logprobs(m.hf_dir, tokens)
+    diff = np.abs(ours - theirs).max()
+    spread = np.abs(theirs[1:] - theirs[:-1]).max()  # how much positions differ at all
+    assert diff < 2e-3, f"{arch}: max |dlogprob| {diff:.2e}"
+    assert spread > 50 * diff  # the agreement is not a flat output agreeing with itself
