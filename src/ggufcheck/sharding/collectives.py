@@ -23,7 +23,7 @@ from ggufcheck.results import Result, failed, passed
 from ggufcheck.sharding.dist import RankContext
 
 COMPONENT = "sharding"
-SIZES = (7, 4099, 1 << 18)  # odd, just past a power of two, and a large one
+SIZES = (7, 4099, 65537)  # odd, just past a power of two, and one past 2^16
 
 
 def _dtypes(backend: str) -> tuple[torch.dtype, ...]:

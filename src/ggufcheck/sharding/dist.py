@@ -171,7 +171,9 @@ def _wait(procs: list, workdir: Path, timeout_s: float) -> None:
         alive = [r for r, p in enumerate(procs) if p.is_alive()]
         failed = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode != 0]
         if failed:
-            rank = failed[0]
+            time.sleep(0.5)  # let the peers of a dead rank fail too, then blame the first
+            failed = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode != 0]
+            rank = min(failed, key=lambda r: _error_time(workdir, r))
             err = workdir / f"rank{rank}.err"
             detail = err.read_text() if err.exists() else ""
             last = detail.strip().splitlines()[-1] if detail.strip() else f"exit code {procs[rank].exitcode}"
@@ -182,6 +184,12 @@ def _wait(procs: list, workdir: Path, timeout_s: float) -> None:
             raise RanksFailed(f"ranks {alive} of {len(procs)} did not finish within {timeout_s:.0f} s "
                               "(a hung collective or a dead peer)", rank=alive[0])
         procs[alive[0]].join(0.05)
+
+
+def _error_time(workdir: Path, rank: int) -> float:
+    """When a rank wrote its traceback (a rank that died without one: last)."""
+    err = workdir / f"rank{rank}.err"
+    return err.stat().st_mtime_ns if err.exists() else float("inf")
 
 
 def _rank_main(rank: int, world_size: int, backend: str, workdir: str, timeout_s: float,
@@ -204,6 +212,9 @@ def _rank_main(rank: int, world_size: int, backend: str, workdir: str, timeout_s
         try:
             result = fn(RankContext(rank, world_size, backend, device), payload)
             dist.barrier()
+        except BaseException:  # write the traceback BEFORE the group closes: peers fail after us
+            (out / f"rank{rank}.err").write_text(traceback.format_exc())
+            os._exit(1)
         finally:
             dist.destroy_process_group()
         tmp = out / f".rank{rank}.pt"

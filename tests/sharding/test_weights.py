@@ -1,0 +1,105 @@
+"""The weights-stage audit: per-rank loaded parameters vs their expected GGUF slices.
+
+The "engine" here is written out by hand from vLLM's loaders (torch.chunk along the output
+or input dim, whole heads, vocab rows padded to 64 per rank), independently of
+ggufcheck.sharding.rules.shard, then broken in the ways real loaders broke.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ggufcheck.arch.rebuild import hf_state_dict
+from ggufcheck.arch.spec import spec_for_model
+from ggufcheck.arch.tables import table_for
+from ggufcheck.gguf.reader import open_gguf
+from ggufcheck.results import Status
+from ggufcheck.sharding import faults
+from ggufcheck.sharding.weights import check_loaded_weights
+
+COLUMN = ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj")
+ROW = ("o_proj", "down_proj")
+
+
+def _by_hand(name: str, w: torch.Tensor, rank: int, tp: int, n_kv: int) -> torch.Tensor:
+    """What a vLLM rank holds for HF parameter ``name``."""
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        per = -(-w.shape[0] // 64) * 64 // tp
+        rows = w[rank * per:(rank + 1) * per]
+        return torch.cat((rows, w.new_zeros(per - rows.shape[0], *w.shape[1:])))
+    leaf = name.split(".")[-2]
+    if leaf in ("k_proj", "v_proj") and tp > n_kv:  # QKVParallelLinear: kv head r // (tp / Hkv)
+        return w.chunk(n_kv, dim=0)[rank // (tp // n_kv)]
+    if w.dim() == 2 and leaf in COLUMN:
+        return w.chunk(tp, dim=0)[rank]
+    if w.dim() == 2 and leaf in ROW:
+        return w.chunk(tp, dim=1)[rank]
+    if name.endswith("bias") and leaf in COLUMN:
+        return w.chunk(tp)[rank]
+    return w  # norms, router, kv_a, q_a: replicated
+
+
+@pytest.fixture(scope="module", params=["llama", "deepseek2"])
+def model(request, tiny_converted):
+    m = open_gguf(tiny_converted(request.param).gguf_path)
+    spec, _ = spec_for_model(m)
+    table = table_for(spec)
+    yield m, spec, table, hf_state_dict(m, spec, table)
+    m.close()
+
+
+def _loaded(spec, sd, tp, rank_of=lambda r: r):
+    return {r: {n: _by_hand(n, w, rank_of(r), tp, spec.n_head_kv) for n, w in sd.items()} for r in range(tp)}
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_correct_loads_pass(model, tp):
+    m, spec, table, sd = model
+    results = check_loaded_weights(m, spec, table, _loaded(spec, sd, tp), tp)
+    assert not [r.message for r in results if r.failed]
+    passes = [r for r in results if r.status is Status.PASS]
+    assert len(passes) == tp and all(r.stats["parameters"] == len(sd) for r in passes)
+
+
+def test_bf16_parameters_pass(model):
+    m, spec, table, sd = model
+    loaded = {r: {n: w.to(torch.bfloat16) for n, w in d.items()} for r, d in _loaded(spec, sd, 2).items()}
+    assert not [r for r in check_loaded_weights(m, spec, table, loaded, 2) if r.failed]
+
+
+def test_every_rank_with_shard0_is_named(model):
+    m, spec, table, sd = model
+    results = check_loaded_weights(m, spec, table, _loaded(spec, sd, 2, rank_of=lambda r: 0), 2)
+    bad = [r for r in results if r.failed]
+    assert bad and all(r.stats.get("rank") == 1 for r in bad)
+    assert {r.component for r in bad} <= {"sharding", "mla-kv-b", "weights"}
+    assert any("holds rank 0's slice" in r.message for r in bad)
+
+
+def test_unsharded_tensor_and_wrong_values(model):
+    m, spec, table, sd = model
+    loaded = _loaded(spec, sd, 2)
+    name = "model.layers.0.self_attn.o_proj.weight"
+    loaded[1][name] = sd[name]  # sharding not applied
+    loaded[0]["model.norm.weight"] = sd["model.norm.weight"] + 1e-2
+    bad = {(r.tensor, r.stats["rank"]): r for r in check_loaded_weights(m, spec, table, loaded, 2) if r.failed}
+    assert "whole unsharded" in bad[(name, 1)].message and bad[(name, 1)].component == "sharding"
+    assert bad[("model.norm.weight", 0)].component == "weights"
+
+
+def test_kv_b_rebuilt_all_k_then_v_is_caught(tiny_converted):
+    with open_gguf(tiny_converted("deepseek2").gguf_path) as m:
+        spec, _ = spec_for_model(m)
+        table = table_for(spec)
+        sd = hf_state_dict(m, spec, table)
+        from ggufcheck.gguf.dequant import dequantize_tensor
+
+        wrong = faults.rebuild_all_k_then_v(dequantize_tensor(m, "blk.0.attn_k_b.weight"),
+                                            dequantize_tensor(m, "blk.0.attn_v_b.weight"))
+        loaded = _loaded(spec, sd, 2)
+        for r in range(2):
+            loaded[r]["model.layers.0.self_attn.kv_b_proj.weight"] = wrong.chunk(2)[r]
+        bad = [r for r in check_loaded_weights(m, spec, table, loaded, 2) if r.failed]
+    assert {r.stats["rank"] for r in bad} == {0, 1}
+    assert all(r.component == "mla-kv-b" and r.tensor.endswith("kv_b_proj.weight") for r in bad)
