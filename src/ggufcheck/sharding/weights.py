@@ -95,43 +95,43 @@ def check_loaded_weights(model: "GGUFModel", spec: ArchSpec, table: TensorTable,
             params["lm_head.weight"] = HFParam("lm_head.weight", embed.rule, embed.group, "weights")
     n_kv = 0 if spec.mla is not None else spec.n_head_kv
     wanted = {n for per_rank in loaded.values() for n in per_rank}
-    cache: dict[int, dict[str, Tensor]] = {}  # group id -> its HF tensors (dequantized once)
     results: list[Result] = []
     unknown = sorted(n for n in wanted if n not in params)
     if unknown:
         results.append(skipped("weights.loaded.unknown", "weights",
                                f"{len(unknown)} loaded parameter(s) have no table row (not audited), e.g. {unknown[0]}",
                                stats={"names": unknown[:50]}))
+    work: dict[int, list[tuple[int, str, Tensor, HFParam]]] = {}  # group -> its (rank, name) items
     for rank in sorted(loaded):
-        n_ok, n_fail = 0, 0
         for name, got in loaded[rank].items():
-            param = params.get(name)
-            if param is None:
-                continue
-            key = id(param.group)
-            if key not in cache:
-                cache.clear()  # keep one group in memory at a time (engines list by layer)
-                cache[key] = _full_tensors(model, spec, param)
-            full = cache[key][name if name in cache[key] else next(iter(cache[key]))]
+            if name in params:
+                work.setdefault(id(params[name].group), []).append((rank, name, got, params[name]))
+    n_ok = dict.fromkeys(sorted(loaded), 0)
+    n_fail = dict.fromkeys(sorted(loaded), 0)
+    for items in work.values():  # one group dequantized at a time, for every rank
+        full_by_name = _full_tensors(model, spec, items[0][3])
+        for rank, name, got, param in items:
+            full = full_by_name[name] if name in full_by_name else next(iter(full_by_name.values()))
             want = shard(full, param.rule, rank, tp, n_kv)
             problem = _diagnose(got, want, full, param, rank, tp, n_kv)
             if problem is None:
-                n_ok += 1
+                n_ok[rank] += 1
                 continue
-            n_fail += 1
-            if n_fail <= MAX_FAILS_PER_RANK:
+            n_fail[rank] += 1
+            if n_fail[rank] <= MAX_FAILS_PER_RANK:
                 message, component, stats = problem
                 results.append(failed("weights.loaded.slice", component, f"rank {rank}: {name}: {message}",
                                       tensor=name, layer=param.group.layer, stats={"rank": rank, "tp": tp, **stats},
                                       worst={"rank": rank}))
-        if n_fail > MAX_FAILS_PER_RANK:
+    for rank in sorted(loaded):
+        if n_fail[rank] > MAX_FAILS_PER_RANK:
             results.append(failed("weights.loaded.slice", "weights",
-                                  f"rank {rank}: {n_fail - MAX_FAILS_PER_RANK} more wrong parameter(s) not listed",
-                                  stats={"rank": rank, "wrong": n_fail}))
-        if n_ok:
+                                  f"rank {rank}: {n_fail[rank] - MAX_FAILS_PER_RANK} more wrong parameter(s) not listed",
+                                  stats={"rank": rank, "wrong": n_fail[rank]}))
+        if n_ok[rank]:
             results.append(passed("weights.loaded.slice", "weights",
-                                  f"rank {rank}: {n_ok} parameter(s) equal their expected TP {tp} slices",
-                                  stats={"rank": rank, "tp": tp, "parameters": n_ok}))
+                                  f"rank {rank}: {n_ok[rank]} parameter(s) equal their expected TP {tp} slices",
+                                  stats={"rank": rank, "tp": tp, "parameters": n_ok[rank]}))
     return results
 
 
