@@ -103,3 +103,18 @@ def test_kv_b_rebuilt_all_k_then_v_is_caught(tiny_converted):
         bad = [r for r in check_loaded_weights(m, spec, table, loaded, 2) if r.failed]
     assert {r.stats["rank"] for r in bad} == {0, 1}
     assert all(r.component == "mla-kv-b" and r.tensor.endswith("kv_b_proj.weight") for r in bad)
+
+
+def test_through_the_engine_interface(tiny_converted):
+    """The transformers engine (rank 0 only) exposes its parameters: all equal the GGUF's."""
+    pytest.importorskip("transformers")
+    from ggufcheck.engines.hf import HFEngine
+    from ggufcheck.sharding.weights import check_engine_weights
+
+    path = tiny_converted("llama").gguf_path
+    engine = HFEngine.from_gguf(path)
+    with open_gguf(path) as m:
+        spec, _ = spec_for_model(m)
+        results = check_engine_weights(m, spec, table_for(spec), engine, layout="transformers")
+    assert not [r.message for r in results if r.failed]
+    assert [r for r in results if r.status is Status.PASS][0].stats["parameters"] > 10

@@ -154,3 +154,33 @@ def _diagnose(got: Tensor, want: Tensor, full: Tensor, param: HFParam, rank: int
         return ("holds the whole unsharded tensor (sharding not applied)", "sharding", {"shape": list(got.shape)})
     return (f"shape {tuple(got.shape)} != expected slice {tuple(want.shape)}",
             "sharding" if rule.is_split else component, {"shape": list(got.shape), "expected": list(want.shape)})
+
+
+def check_engine_weights(model: "GGUFModel", spec: ArchSpec, table: TensorTable, engine,
+                         names: list[str] | None = None, layout: str = "checkpoint") -> list[Result]:
+    """The audit through the Engine interface (``engine.weight(hf_name, rank=r)``).
+
+    ``names``: HF parameters to ask for (default: every parameter the file provides). A
+    parameter the engine does not expose is counted in one SKIP, not a failure.
+    """
+    from ggufcheck.engines.base import Unsupported
+
+    caps = engine.capabilities
+    if not caps.weights:
+        return [skipped("weights.loaded.slice", "weights", caps.why_not("weights"))]
+    tp = int(caps.tp_size)
+    wanted = names if names is not None else list(hf_params(spec, table, model.tensors, layout))
+    loaded: dict[int, dict[str, Tensor]] = {r: {} for r in range(tp)}
+    missing: list[str] = []
+    for rank in range(tp):
+        for name in wanted:
+            try:
+                loaded[rank][name] = torch.as_tensor(engine.weight(name, rank=rank))
+            except Unsupported:
+                missing.append(f"{name}@{rank}")
+    results = check_loaded_weights(model, spec, table, loaded, tp, layout)
+    if missing:
+        results.append(skipped("weights.loaded.exposed", "weights",
+                               f"the engine did not expose {len(missing)} parameter(s), e.g. {missing[0]}",
+                               stats={"missing": missing[:50]}))
+    return results
