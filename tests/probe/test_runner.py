@@ -26,25 +26,36 @@ def _fake_python(tmp_path, body: str, name: str = "python") -> str:
     return str(path)
 
 
-def test_real_env_probe_in_this_interpreter():
-    options = EnvOptions(target=ProbeTarget(sys.executable, 0),
-                         packages=("json", "ggufcheck_surely_missing_pkg"), scan_extensions=False)
-    report = run_environment_stage(options)
-    by = {r.check: r for r in report.results}
+@pytest.fixture(scope="module")
+def env_run():
+    """One real env probe in this interpreter (torch imports once for the tests below)."""
+    request = {"packages": ["json", "this", "ggufcheck_surely_missing_pkg"], "scan_extensions": False}
+    return run_probe("ggufcheck_probe_env.py", request, ProbeTarget(sys.executable, 0))
+
+
+def test_real_env_probe_in_this_interpreter(env_run):
+    from ggufcheck.checks.environment import environment_report
+
+    assert env_run.done and env_run.returncode == 0
+    by = {r.check: r for r in environment_report(env_run.messages).results}
     assert platform.python_version() in by["environment.python"].message
     assert by["environment.package.json"].status == Status.PASS
     assert by["environment.package.ggufcheck_surely_missing_pkg"].status == Status.SKIP
     assert by["environment.torch"].status == Status.PASS
 
 
-def test_probe_sees_only_the_chosen_device():
-    script_out = run_probe("ggufcheck_probe_env.py", {"packages": [], "scan_extensions": False},
-                           ProbeTarget(sys.executable, 0, extra_env=()))
-    assert script_out.done and script_out.returncode == 0
+def test_library_prints_cannot_corrupt_the_channel(env_run):
+    # `import this` prints the Zen of Python to stdout in its child; the channel survives
+    assert any(m.get("name") == "this" and m.get("status") == "ok" for m in env_run.messages)
+
+
+def test_device_index_maps_through_the_parents_visible_devices():
     assert physical_device(1, "4,5,6") == "5"
     assert physical_device(2, None) == "2"
     with pytest.raises(ProbeFailed):
         physical_device(3, "4,5")
+    env = ProbeTarget(sys.executable, 0).environment()
+    assert env["CUDA_VISIBLE_DEVICES"] == physical_device(0, os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
 def test_nonexistent_interpreter_is_a_usage_error():
@@ -79,11 +90,6 @@ def test_hanging_interpreter_times_out_and_is_killed(tmp_path):
     assert out.timed_out and "no message for 1 s" in out.timed_out
     with pytest.raises(ProbeFailed, match="timed out"):
         out.require_done(python)
-
-
-def test_library_prints_cannot_corrupt_the_channel():
-    out = run_probe("ggufcheck_probe_env.py", {"packages": ["this"], "scan_extensions": False})
-    assert out.done  # `import this` prints the Zen of Python to stdout, in the child
 
 
 def _protocol_emulator(tmp_path, crash_case: str, mode: str) -> str:
