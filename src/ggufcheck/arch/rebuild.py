@@ -42,10 +42,16 @@ class Group:
 
 
 def groups(spec: ArchSpec, table: TensorTable, names=None, layout: str = "checkpoint",
-           include_nextn: bool = True) -> list[Group]:
-    """The table's groups for this model, in table order."""
+           include_nextn: bool | None = None) -> list[Group]:
+    """The table's groups for this model, in table order.
+
+    NextN layers are included by default in the checkpoint layout only (transformers'
+    modules do not build MTP layers).
+    """
     if layout not in LAYOUTS:
         raise ValueError(f"unknown HF layout {layout!r}; known: {', '.join(LAYOUTS)}")
+    if include_nextn is None:
+        include_nextn = layout == "checkpoint"
     out: dict[tuple[str, str], Group] = {}
     for exp in expected_tensors(spec, table, names).values():
         hf = exp.row.hf_for(layout)
@@ -60,7 +66,7 @@ def groups(spec: ArchSpec, table: TensorTable, names=None, layout: str = "checkp
 
 def iter_hf_tensors(model: "GGUFModel", spec: ArchSpec, table: TensorTable,
                     dtype: torch.dtype = torch.float32, layout: str = "checkpoint",
-                    include_nextn: bool = True, tied_lm_head: bool = False
+                    include_nextn: bool | None = None, tied_lm_head: bool = False
                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every HF parameter the file provides.
 
@@ -90,7 +96,7 @@ def iter_hf_tensors(model: "GGUFModel", spec: ArchSpec, table: TensorTable,
 
 def hf_state_dict(model: "GGUFModel", spec: ArchSpec, table: TensorTable,
                   dtype: torch.dtype = torch.float32, layout: str = "checkpoint",
-                  include_nextn: bool = True, tied_lm_head: bool = False) -> dict[str, torch.Tensor]:
+                  include_nextn: bool | None = None, tied_lm_head: bool = False) -> dict[str, torch.Tensor]:
     """The whole HF state dict (see :func:`iter_hf_tensors`; use that for big models)."""
     return dict(iter_hf_tensors(model, spec, table, dtype, layout, include_nextn, tied_lm_head))
 
