@@ -135,3 +135,28 @@ def test_probe_scripts_import_no_ggufcheck():
         text = script.read_text()
         assert "import ggufcheck." not in text and "from ggufcheck." not in text, script.name
     assert os.path.isfile(SCRIPTS / "ggufcheck_probe_kernels.py")
+
+
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+def _python_without_torch() -> str:
+    import subprocess
+
+    if not os.path.exists(SYSTEM_PYTHON):
+        pytest.skip(f"{SYSTEM_PYTHON} not present")
+    if subprocess.run([SYSTEM_PYTHON, "-c", "import torch"], capture_output=True).returncode == 0:
+        pytest.skip(f"{SYSTEM_PYTHON} has torch")
+    return SYSTEM_PYTHON
+
+
+def test_target_without_torch_is_reported_not_crashed():
+    python = _python_without_torch()
+    env = run_environment_stage(EnvOptions(target=ProbeTarget(python), packages=("json",),
+                                           scan_extensions=False))
+    by = {r.check: r for r in env.results}
+    assert by["environment.torch"].status == Status.FAIL and "torch" in by["environment.torch"].message
+    from ggufcheck.checks.kernels import run_kernel_stage
+
+    report = run_kernel_stage(KernelOptions(target=ProbeTarget(python), only=("rmsnorm",)))
+    assert [r.check for r in report.results if r.status == Status.ERROR] == ["kernels.probe"]

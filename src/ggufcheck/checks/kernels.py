@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ggufcheck.probe.runner import ProbeFailed, ProbeTarget, run_probe
-from ggufcheck.results import Result, StageReport, Status
+from ggufcheck.results import Result, StageReport, Status, errored
 
 SRC_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding the ggufcheck package
 MAX_RESTARTS = 4
@@ -371,6 +371,10 @@ def run_kernel_stage(options: KernelOptions = KernelOptions()) -> StageReport:
     report = StageReport("kernels", info={"model": str(options.model) if options.model else None,
                                           "shapes": shapes.__dict__ if shapes else "default (GLM-5 / DeepSeek-V3)",
                                           "data": notes, "probe": fatal})
+    for fatal in fatal.get("messages", []):
+        if fatal.get("type") == "fatal" and not fatal.get("after"):  # nothing could run at all
+            report.add(errored("kernels.probe", "kernel", f"the kernel probe could not start in "
+                               f"{options.target.python}: {fatal['error']}"))
     for answer in answers:
         report.add(result_from_answer(answer))
     return report
