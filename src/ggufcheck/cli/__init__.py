@@ -19,7 +19,11 @@ from ggufcheck.errors import ExitStatus, GGUFCheckError
 # Subcommand modules, in the order they appear in --help (data-flow order).
 COMMANDS = [
     "env",
+    "kernels",
     "inspect",
+    "shard",
+    "compare",
+    "diagnose",
 ]
 
 

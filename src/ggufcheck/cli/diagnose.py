@@ -1,0 +1,89 @@
+"""``ggufcheck diagnose MODEL.gguf --engine SPEC``: every stage in order, and the verdict."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.console import Console
+
+from ggufcheck.diagnose.plan import DiagnoseOptions, Diagnosis, diagnose
+from ggufcheck.engines.spec import SPEC_HELP
+from ggufcheck.errors import ExitStatus, UsageError
+from ggufcheck.report.diagnosis import render_diagnosis
+from ggufcheck.report.html import render_html, write_html
+from ggufcheck.report.json import report_json, write_json
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "diagnose",
+        help="run every applicable stage in dependency order and name the first failing component",
+        description="Diagnose a deployment: environment and kernels (with --python/--device), the file, "
+                    "sharding (with --tp), loaded weights, per-layer comparison, served distributions and "
+                    "execution paths; the verdict names the first component that fails, with evidence.",
+    )
+    p.add_argument("model", type=Path, help="the GGUF file the deployment serves")
+    p.add_argument("--engine", metavar="SPEC", help=f"the engine under test: {SPEC_HELP}")
+    p.add_argument("--python", metavar="PATH", help="the engine's Python interpreter (runs the env/kernel probes)")
+    p.add_argument("--device", type=int, metavar="N", help="GPU index for the probes")
+    p.add_argument("--tp", type=int, metavar="N", help="tensor-parallel size to verify")
+    p.add_argument("--prompts", type=Path, help="prompt file: one per line, or JSONL with \"text\"")
+    p.add_argument("--max-prompts", type=int, default=4, help="prompts to use (default 4)")
+    p.add_argument("--max-tokens", type=int, default=96, help="tokens per prompt (default 96)")
+    p.add_argument("--baseline", default="reference:fp32", metavar="SPEC",
+                   help="low-precision reference run giving a correct engine's expected error (or 'none')")
+    p.add_argument("--no-health", dest="health", action="store_false", help="skip the dequantization health scan")
+    p.add_argument("--no-kernels", dest="kernels", action="store_false", help="probe the environment only")
+    p.add_argument("--no-sanity", dest="sanity", action="store_false",
+                   help="skip output sanity (random-weight test models are near-flat by nature)")
+    p.add_argument("--plan-only", dest="shard_numeric", action="store_false",
+                   help="with --tp: check the shard plan and kv_b slices, not the sharded arithmetic")
+    p.add_argument("--json", type=Path, help="write every stage, check and the verdict to this JSON file")
+    p.add_argument("--html", type=Path, help="write a self-contained HTML report with plots")
+    p.add_argument("-v", "--verbose", action="store_true", help="list every check of every stage")
+
+
+def options_from(args: argparse.Namespace) -> DiagnoseOptions:
+    for name in ("tp", "max_prompts", "max_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, not {value}")
+    if args.device is not None and args.device < 0:
+        raise UsageError(f"--device must be >= 0, not {args.device}")
+    return DiagnoseOptions(
+        model=args.model, engine=args.engine, python=args.python, device=args.device, tp=args.tp,
+        prompts=args.prompts, max_prompts=args.max_prompts, max_tokens=args.max_tokens, health=args.health,
+        kernels=args.kernels, sanity=args.sanity, shard_numeric=args.shard_numeric, baseline=args.baseline,
+    )
+
+
+def exit_status(diagnosis: Diagnosis) -> int:
+    return int(ExitStatus.HEALTHY if diagnosis.verdict.healthy else ExitStatus.FINDINGS)
+
+
+def write_reports(diagnosis: Diagnosis, json_path: Path | None, html_path: Path | None, console: Console) -> None:
+    if json_path:
+        doc = report_json("diagnose", diagnosis.stages, model=str(diagnosis.options.model),
+                          engine=diagnosis.engine, verdict=diagnosis.verdict.to_json(),
+                          elapsed_s=diagnosis.elapsed_s, timings=diagnosis.timings)
+        write_json(json_path, doc)
+        console.print(f"JSON report: {json_path}")
+    if html_path:
+        summary = {"model": str(diagnosis.options.model), "engine": (diagnosis.engine or {}).get("name"),
+                   "elapsed (s)": f"{diagnosis.elapsed_s:.1f}"}
+        write_html(html_path, render_html(f"ggufcheck diagnose {diagnosis.options.model.name}",
+                                          diagnosis.stages, diagnosis.verdict, summary))
+        console.print(f"HTML report: {html_path}")
+
+
+def run(args: argparse.Namespace) -> int:
+    options = options_from(args)
+    if not options.model.is_file():
+        raise UsageError(f"{options.model}: no such file")
+    console = Console()
+    with console.status("diagnosing") as status:
+        diagnosis = diagnose(options, progress=lambda msg: status.update(msg))
+    render_diagnosis(console, diagnosis, verbose=args.verbose)
+    write_reports(diagnosis, args.json, args.html, console)
+    return exit_status(diagnosis)

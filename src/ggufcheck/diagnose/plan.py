@@ -1,0 +1,336 @@
+"""The ordered diagnosis: which stages run, what each eliminates, and in which order.
+
+Each stage removes one variable before the next looks further up the stack:
+
+1. ``environment`` + ``kernels``: the interpreter, its packages and GPU kernels (only when
+   a Python path or a GPU is given): nothing after this can be trusted on a broken kernel;
+2. ``file``: the GGUF itself: container, metadata, tensor mapping, dequantization health;
+3. ``sharding``: with ``--tp N``, the shard plan, per-rank kv_b and sharded == unsharded;
+4. ``weights``: the parameters the engine actually holds (per rank), when it exposes them;
+5. ``layers``: per-layer comparison with the reference, then inside the first diverging
+   layer: attention vs FFN/MoE on replayed inputs, router and indexer agreement;
+6. ``sanity``, ``logits``, ``paths``: the served distributions, teacher-forced against the
+   fp64 reference, and the execution paths (prefill vs decode, batch, chunks).
+
+A stage whose inputs do not exist is SKIPPED with the reason; a stage that raises one of
+ggufcheck's own errors becomes an ERROR result, except an unreachable engine, which ends
+the run (exit status 3). The verdict is :func:`ggufcheck.diagnose.verdict.decide`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ggufcheck.diagnose.verdict import Verdict, decide
+from ggufcheck.errors import EngineUnreachable, GGUFCheckError, Unavailable
+from ggufcheck.results import StageReport, errored, skipped
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class DiagnoseOptions:
+    """Everything ``ggufcheck diagnose`` was asked; built once by the CLI (or a caller)."""
+
+    model: Path
+    engine: str | None = None  # an --engine SPEC (see ggufcheck.engines.spec)
+    python: str | None = None  # target interpreter for the environment / kernels stages
+    device: int | None = None  # GPU index for the probes
+    tp: int | None = None
+    prompts: Path | None = None
+    max_prompts: int | None = 4
+    max_tokens: int = 96
+    new_tokens: int = 6
+    health: bool = True
+    kernels: bool = True
+    sanity: bool = True  # off for random-weight test models, whose output is near-flat by nature
+    shard_numeric: bool = True
+    baseline: str = "reference:fp32"
+    engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Diagnosis:
+    options: DiagnoseOptions
+    stages: list[StageReport]
+    verdict: Verdict
+    engine: dict[str, Any] | None = None
+    elapsed_s: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class _Context:
+    """Lazily opened inputs shared by the stages (the model, engines, prompt tokens)."""
+
+    def __init__(self, options: DiagnoseOptions, say: Progress, engine: Any | None = None):
+        self.options = options
+        self.say = say
+        self._engine = engine
+        self._owns_engine = engine is None
+        self._reference = None
+        self._baseline = None
+        self._tokens: list[list[int]] | None = None
+        self.model = None
+
+    def open_model(self):
+        from ggufcheck.gguf.reader import open_gguf
+
+        if self.model is None:
+            self.model = open_gguf(self.options.model)
+        return self.model
+
+    @property
+    def has_engine(self) -> bool:
+        return self._engine is not None or self.options.engine is not None
+
+    def engine(self):
+        if self._engine is None:
+            from ggufcheck.engines.spec import open_engine
+
+            self.say(f"opening engine {self.options.engine}")
+            self._engine = open_engine(self.options.engine, self.options.model, **dict(self.options.engine_kwargs))
+        return self._engine
+
+    def reference(self):
+        if self._reference is None:
+            from ggufcheck.engines.reference import ReferenceEngine
+
+            self.say("loading the fp64 reference")
+            self._reference = ReferenceEngine(self.options.model, dtype="fp64")
+        return self._reference
+
+    def baseline(self):
+        if self._baseline is None and self.options.baseline != "none":
+            from ggufcheck.engines.spec import open_engine
+
+            self._baseline = open_engine(self.options.baseline, self.options.model)
+        return self._baseline
+
+    def tokens(self) -> list[list[int]]:
+        if self._tokens is None:
+            from ggufcheck.checks.prompts import builtin_prompts, load_prompts
+
+            prompts = load_prompts(self.options.prompts) if self.options.prompts else builtin_prompts()
+            if self.options.max_prompts:
+                prompts = prompts[: self.options.max_prompts]
+            texts = [p.text for p in prompts]
+            engine = self.engine()
+            if engine.capabilities.tokenize:
+                seqs = [engine.tokenize(t) for t in texts]
+            else:
+                from ggufcheck.tokenizer import load_tokenizer
+
+                tok = load_tokenizer(self.open_model())
+                seqs = [tok.encode(t, add_special=True, parse_special=True) for t in texts]
+            self._tokens = [s[: self.options.max_tokens] for s in seqs if len(s) >= 2]
+        return self._tokens
+
+    def close(self) -> None:
+        for engine in (self._engine if self._owns_engine else None, self._reference, self._baseline):
+            if engine is not None:
+                engine.close()
+        if self.model is not None:
+            self.model.close()
+
+
+# ----------------------------------------------------------------------------------- stages
+def _environment(ctx: _Context) -> list[StageReport]:
+    from ggufcheck.checks.environment import EnvOptions, run_environment_stage
+    from ggufcheck.probe.runner import ProbeTarget
+
+    o = ctx.options
+    target = ProbeTarget(python=o.python or sys.executable, device=o.device)
+    ctx.say(f"probing the environment of {target.python}")
+    stages = [run_environment_stage(EnvOptions(target=target))]
+    if o.kernels:
+        from ggufcheck.checks.kernels import KernelOptions, run_kernel_stage
+
+        ctx.say("running kernels: imports, runs, agrees with fp64")
+        stages.append(run_kernel_stage(KernelOptions(target=target, model=o.model)))
+    return stages
+
+
+def _file(ctx: _Context) -> list[StageReport]:
+    from ggufcheck.checks.file import FileStageOptions, run_file_stage
+
+    ctx.say("checking the file: integrity, metadata, mapping, dequantization health")
+    return [run_file_stage(ctx.open_model(), FileStageOptions(health=ctx.options.health))]
+
+
+def _sharding(ctx: _Context) -> list[StageReport]:
+    from ggufcheck.checks.sharding import ShardOptions, run_sharding_stage
+
+    ctx.say(f"checking tensor-parallel sharding at TP {ctx.options.tp}")
+    return [run_sharding_stage(ctx.open_model(), ShardOptions(tp=ctx.options.tp, numeric=ctx.options.shard_numeric))]
+
+
+class _LoadedWeights(Mapping):
+    """One rank's parameters, fetched from the engine only when the audit reaches them."""
+
+    def __init__(self, engine, names: list[str], rank: int):
+        self.engine, self.names, self.rank = engine, names, rank
+
+    def __getitem__(self, name: str):
+        import torch
+
+        return torch.as_tensor(self.engine.weight(name, rank=self.rank))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def _weights(ctx: _Context) -> list[StageReport]:
+    from ggufcheck.arch.spec import ArchSpec, spec_for_model
+    from ggufcheck.arch.tables import table_for
+    from ggufcheck.sharding.weights import check_loaded_weights, hf_params
+
+    report = StageReport("weights")
+    engine = ctx.engine()
+    if not engine.capabilities.weights:
+        report.add(skipped("weights.loaded", "weights", engine.capabilities.why_not("weights")))
+        return [report]
+    model = ctx.open_model()
+    spec, findings = spec_for_model(model)
+    table = table_for(spec) if isinstance(spec, ArchSpec) and not findings else None
+    if table is None:
+        report.add(skipped("weights.loaded", "weights", "no spec/table for this architecture: nothing to audit against"))
+        return [report]
+    tp = engine.capabilities.tp_size
+    names = sorted(hf_params(spec, table, model.tensors))
+    ctx.say(f"auditing {len(names)} loaded parameters on {tp} rank(s)")
+    loaded = {rank: _LoadedWeights(engine, names, rank) for rank in range(tp)}
+    report.add(check_loaded_weights(model, spec, table, loaded, tp))
+    report.info.update(tp=tp, parameters=len(names))
+    return [report]
+
+
+def _layers(ctx: _Context) -> list[StageReport]:
+    engine = ctx.engine()
+    if not engine.capabilities.layer_outputs:
+        report = StageReport("layers")
+        report.add(skipped("layers", "output", engine.capabilities.why_not("layer_outputs")))
+        return [report]
+    from ggufcheck.checks.layers import run_layers_stage
+
+    ctx.say("comparing every layer with the reference")
+    return [run_layers_stage(engine, ctx.reference().model, ctx.tokens(),
+                             baseline_reference=_baseline_model(ctx))]
+
+
+def _baseline_model(ctx: _Context):
+    base = ctx.baseline()
+    return getattr(base, "model", None)
+
+
+def _served(ctx: _Context) -> list[StageReport]:
+    from ggufcheck.checks.compare import CompareOptions, run_compare
+
+    o = ctx.options
+    indexer_top_k = _indexer_top_k(ctx)
+    long_prompt = None
+    if indexer_top_k:
+        long_prompt = _long_prompt(ctx, indexer_top_k)
+    return run_compare(
+        ctx.engine(), ctx.tokens(), reference=ctx.reference(), baseline_engine=ctx.baseline(),
+        options=CompareOptions(max_new_tokens=o.new_tokens, run_sanity=o.sanity, indexer_top_k=indexer_top_k),
+        progress=ctx.say, long_prompt=long_prompt,
+    )
+
+
+def _indexer_top_k(ctx: _Context) -> int | None:
+    from ggufcheck.arch.spec import spec_for_model
+
+    spec, _ = spec_for_model(ctx.open_model())
+    indexer = getattr(spec, "indexer", None)
+    return getattr(indexer, "top_k", None)
+
+
+def _long_prompt(ctx: _Context, top_k: int) -> list[int] | None:
+    """A prompt longer than the indexer's top_k (sparse attention actually selects)."""
+    seqs = sorted(ctx.tokens(), key=len, reverse=True)
+    if seqs and len(seqs[0]) > top_k + 2:
+        return seqs[0]
+    return None
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    eliminates: str
+    run: Callable[[_Context], list[StageReport]]
+    when: Callable[[_Context], str | None]  # None: runs; else the reason it is skipped
+    skip_component: str
+
+
+def _needs_engine(ctx: _Context) -> str | None:
+    return None if ctx.has_engine else "no --engine given"
+
+
+PLAN: tuple[Stage, ...] = (
+    Stage("environment", "the interpreter, packages and GPU kernels", _environment,
+          lambda c: None if (c.options.python or c.options.device is not None) else
+          "no --python or --device given", "environment"),
+    Stage("file", "the GGUF file, its metadata and tensor mapping", _file, lambda c: None, "gguf-file"),
+    Stage("sharding", "tensor-parallel splitting", _sharding,
+          lambda c: None if c.options.tp else "no --tp given", "sharding"),
+    Stage("weights", "the engine's loaded parameters", _weights, _needs_engine, "weights"),
+    Stage("layers", "each layer's computation", _layers, _needs_engine, "output"),
+    Stage("served", "the served distributions and execution paths", _served, _needs_engine, "output"),
+)
+
+
+def diagnose(options: DiagnoseOptions, progress: Progress | None = None, engine: Any | None = None) -> Diagnosis:
+    """Run every applicable stage in order and decide the verdict.
+
+    ``engine`` may be an already open :class:`ggufcheck.engines.base.Engine` (tests and
+    ``ggufcheck.testing.faults`` pass one); otherwise ``options.engine`` is opened.
+    """
+    say = progress or (lambda _m: None)
+    ctx = _Context(options, say, engine)
+    stages: list[StageReport] = []
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
+    try:
+        for stage in PLAN:
+            reason = stage.when(ctx)
+            if reason is not None:
+                report = StageReport(stage.name, info={"eliminates": stage.eliminates})
+                report.add(skipped(stage.name, stage.skip_component, reason))
+                stages.append(report)
+                continue
+            t0 = time.perf_counter()
+            try:
+                reports = stage.run(ctx)
+            except EngineUnreachable:
+                raise
+            except Unavailable as err:
+                reports = [StageReport(stage.name)]
+                reports[0].add(skipped(stage.name, stage.skip_component, f"unavailable: {err.message}"))
+            except GGUFCheckError as err:
+                if stage.name == "file":
+                    raise  # an unreadable model file ends the diagnosis (exit 2)
+                reports = [StageReport(stage.name)]
+                reports[0].add(errored(stage.name, stage.skip_component, err.message))
+            except Exception as err:  # a defect in a stage must not hide the other stages' evidence
+                if os.environ.get("GGUFCHECK_DEBUG"):
+                    raise
+                reports = [StageReport(stage.name)]
+                reports[0].add(errored(stage.name, stage.skip_component,
+                                       f"internal error in the {stage.name} stage: {type(err).__name__}: {err}"))
+            timings[stage.name] = time.perf_counter() - t0
+            for r in reports:
+                r.info.setdefault("eliminates", stage.eliminates)
+            stages.extend(reports)
+        described = ctx.engine().describe() if ctx.has_engine else None
+    finally:
+        ctx.close()
+    return Diagnosis(options, stages, decide(stages), described, time.perf_counter() - started, timings)
