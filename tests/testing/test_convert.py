@@ -31,7 +31,9 @@ def test_cached_call_returns_the_same_files_without_rebuilding(tiny_converted):
 
 
 def test_two_processes_racing_on_a_cold_cache(tmp_path, tiny_converted):
-    tiny_converted("llama", "f32")  # skip early if the converter is unavailable
+    """Both get the same file; it is built once; it is byte-identical to the session cache's
+    (HF build and conversion are deterministic across processes)."""
+    warm = tiny_converted("llama", "f32")  # skips early if the converter is unavailable
     code = ("import sys; from ggufcheck.testing.convert import tiny_converted; "
             "print(tiny_converted('llama', 'f32', cache_dir=sys.argv[1]).gguf_path)")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE,
@@ -44,6 +46,17 @@ def test_two_processes_racing_on_a_cold_cache(tmp_path, tiny_converted):
     built = sorted(p.name for p in root.iterdir() if not p.name.endswith(".lock"))
     assert len(built) == 2 and any(n.endswith("-f32.gguf") for n in built)  # one HF dir, one GGUF
     assert not [p for p in root.iterdir() if p.name.startswith(".")]  # no temp leftovers
+    cold = root / warm.gguf_path.name
+    assert str(cold) in paths and cold.read_bytes() == warm.gguf_path.read_bytes()
+
+
+def test_hf_build_is_deterministic_per_seed(tmp_path):
+    pytest.importorskip("transformers")
+    a = convert.build_hf_tiny("qwen2", tmp_path / "a", seed=3)
+    b = convert.build_hf_tiny("qwen2", tmp_path / "b", seed=3)
+    c = convert.build_hf_tiny("qwen2", tmp_path / "c", seed=4)
+    weights = [(d / "model.safetensors").read_bytes() for d in (a, b, c)]
+    assert weights[0] == weights[1] and weights[0] != weights[2]
 
 
 def test_bad_llama_cpp_source_is_unavailable(monkeypatch, tmp_path):

@@ -5,6 +5,8 @@
 - :mod:`ggufcheck.testing.tiny`: an independent builder writing tiny random GGUFs directly
   in llama.cpp's layout, with per-tensor quant types (``build_tiny_gguf``), and split files.
 - :mod:`ggufcheck.testing.filefaults`: file-level fault injection (always a new file).
+- :mod:`ggufcheck.testing.qblocks`: where each quant block keeps its scales (random valid
+  blocks for types gguf-py cannot quantize; scale corruption).
 - :mod:`ggufcheck.testing.models`: where the real registry models and the cache live.
 
 Two independent producers (llama.cpp's converter and our own writer) agreeing on names and

@@ -141,6 +141,11 @@ def llama_cpp_source() -> Path:
     return path
 
 
+# What the converter needs from the sdist's vendor/llama.cpp (its script, model classes,
+# vendored gguf-py).
+_CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "LICENSE")
+
+
 def _download_sdist(root: Path, name: str) -> None:
     with tempfile.TemporaryDirectory(dir=root, prefix=".dl-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
@@ -156,9 +161,11 @@ def _download_sdist(root: Path, name: str) -> None:
                               tip="set GGUFCHECK_LLAMA_CPP_SRC to an unpacked "
                                   f"llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} sdist's vendor/llama.cpp")
         unpack = Path(tmp) / "unpacked"
+        keep = [f"{name}/vendor/llama.cpp/{part}" for part in _CONVERTER_PARTS]
         try:
-            with tarfile.open(tarball) as tar:
-                tar.extractall(unpack, filter="data")
+            with tarfile.open(tarball) as tar:  # only the converter: ~5 of the sdist's 217 MB
+                members = [m for m in tar.getmembers() if any(m.name.startswith(k) for k in keep)]
+                tar.extractall(unpack, members=members, filter="data")
         except (tarfile.TarError, OSError) as exc:
             raise Unavailable(f"llama.cpp source unavailable: cannot unpack {tarball.name}: {exc}") from None
         dest = root / name
