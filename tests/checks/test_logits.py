@@ -1,0 +1,86 @@
+"""Logits metrics: exact properties, the top-k lower bound, and verdicts on healthy vs corrupted engines."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ggufcheck.checks.compare import combined_baseline
+from ggufcheck.checks.logits import ALLOWANCES, collect, distribution, judge, wilson_interval
+from ggufcheck.engines.base import TokenLogprobs, log_softmax
+from ggufcheck.engines.faults import FlatDistribution, ShuffledLogits
+from ggufcheck.results import Status
+
+
+def _status(results, check):
+    return next(r for r in results if r.check == check).status
+
+
+def test_identical_tables_have_zero_kl_and_full_agreement(llama_tables):
+    m = collect([(t, t) for t in llama_tables])
+    assert m.n == sum(len(t) for t in llama_tables)
+    assert np.abs(m.kl).max() < 1e-12 and m.agree.all() and np.nanmax(np.abs(m.delta_p)) == 0
+
+
+def test_topk_tail_kl_is_a_lower_bound_of_the_full_kl(llama_tables):
+    """Coarsening to {top-k, tail} never increases KL (data-processing inequality)."""
+    rng = np.random.default_rng(0)
+    ref = llama_tables[0]
+    noisy = TokenLogprobs(ref.tokens, ref.vocab_size,
+                          log_softmax(ref.logprobs + rng.normal(0, 0.5, ref.logprobs.shape)).astype(np.float32))
+    full = collect([(ref, noisy)]).kl
+    ids, vals = noisy.top_k(10)
+    topk = TokenLogprobs(ref.tokens, ref.vocab_size, topk_ids=ids, topk_logprobs=vals)
+    bound = collect([(ref, topk)]).kl
+    assert (bound <= full + 1e-9).all() and (bound > 0).all()
+
+
+def test_wilson_interval_brackets_the_rate():
+    low, high = wilson_interval(97, 100)
+    assert low < 0.97 < high and 0.9 < low and high < 1.0
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+def test_distribution_reports_llama_perplexity_percentiles():
+    d = distribution(np.arange(1000.0))
+    assert d["median"] == pytest.approx(499.5) and d["max"] == 999 and d["p99"] == pytest.approx(989.01)
+    assert {"mean", "stderr", "p90", "p95", "p99.9", "min"} <= set(d)
+
+
+def test_healthy_engine_against_itself_passes_every_logits_check(llama, llama_tables):
+    baseline = combined_baseline(None, llama.capabilities.activation_dtype)
+    results = judge(collect([(t, t) for t in llama_tables]), baseline, detokenize=llama.detokenize)
+    assert all(r.status == Status.PASS for r in results), [r.message for r in results]
+    assert results[0].worst["positions"][0]["context"]  # worst positions carry their text
+
+
+@pytest.mark.parametrize("fault", [ShuffledLogits, FlatDistribution])
+def test_corrupted_engine_fails_the_logits_stage(llama, sequences, llama_tables, fault):
+    bad = fault(llama)
+    results = judge(collect([(t, bad.score(s)) for s, t in zip(sequences, llama_tables)]),
+                    ALLOWANCES["q8"], detokenize=llama.detokenize)
+    assert _status(results, "logits.kl_mean") == Status.FAIL
+    assert _status(results, "logits.delta_p") == Status.FAIL
+    # a flat (high-temperature) distribution keeps the argmax; a permutation does not
+    assert _status(results, "logits.argmax") == (Status.FAIL if fault is ShuffledLogits else Status.PASS)
+
+
+@pytest.mark.slow
+def test_llama_cpp_vs_the_fp64_reference_passes_with_measured_baseline(smollm2_path, llama, sequences,
+                                                                       llama_tables):
+    """Evidence: llama.cpp (q8 activations) against ggufcheck's fp64 reference on SmolLM2 Q4_1."""
+    from ggufcheck.checks.logits import baseline_from
+    from ggufcheck.engines.reference import ReferenceEngine
+
+    seqs = sequences[:2]
+    with ReferenceEngine(smollm2_path, dtype="fp64") as r64, ReferenceEngine(smollm2_path, dtype="fp32") as r32:
+        ref = [r64.score(s) for s in seqs]
+        base = baseline_from(collect(list(zip(ref, [r32.score(s) for s in seqs]))), "measured fp32 vs fp64")
+    assert base.kl_mean < 1e-8  # fp32 arithmetic on the same weights: tiny
+    metrics = collect(list(zip(ref, llama_tables[:2])))
+    results = judge(metrics, combined_baseline(base, "q8"), detokenize=llama.detokenize)
+    assert all(r.status == Status.PASS for r in results), [r.message for r in results]
+    assert 1e-5 < metrics.kl.mean() < 0.02  # q8 activations: measurably off, well inside the allowance
+    shuffled = judge(collect(list(zip(ref, [ShuffledLogits(llama).score(s) for s in seqs]))),
+                     combined_baseline(base, "q8"))
+    assert _status(shuffled, "logits.kl_mean") == Status.FAIL
