@@ -60,104 +60,112 @@ def bf16(src, out_bits):  # out_bits: the float32 output viewed as uint32
 @njit(**_JIT)
 def q4_0(src, out, h):
     # [d f16][qs 16]; e = hi*16 + k: (qs[k] >> 4*hi) & 15, minus 8; d * q
-    for b in prange(src.size // 18):
-        s, o = b * 18, b * 32
-        d = h[_u16(src, s)]
+    s2, o2 = src.reshape(-1, 18), out.reshape(-1, 32)  # (n_blocks, bytes), (n_blocks, elements)
+    for b in prange(s2.shape[0]):
+        row, orow = s2[b], o2[b]
+        d = h[_u16(row, 0)]
         for k in range(16):
-            x = np.int32(src[s + 2 + k])
-            out[o + k] = d * F32((x & 15) - 8)
-            out[o + 16 + k] = d * F32((x >> 4) - 8)
+            x = np.int32(row[2 + k])
+            orow[k] = d * F32((x & 15) - 8)
+            orow[16 + k] = d * F32((x >> 4) - 8)
 
 
 @njit(**_JIT)
 def q4_1(src, out, h):
     # [d f16][m f16][qs 16]; (d * q) + m
-    for b in prange(src.size // 20):
-        s, o = b * 20, b * 32
-        d = h[_u16(src, s)]
-        m = h[_u16(src, s + 2)]
+    s2, o2 = src.reshape(-1, 20), out.reshape(-1, 32)  # (n_blocks, bytes), (n_blocks, elements)
+    for b in prange(s2.shape[0]):
+        row, orow = s2[b], o2[b]
+        d = h[_u16(row, 0)]
+        m = h[_u16(row, 2)]
         for k in range(16):
-            x = np.int32(src[s + 4 + k])
-            out[o + k] = d * F32(x & 15) + m
-            out[o + 16 + k] = d * F32(x >> 4) + m
+            x = np.int32(row[4 + k])
+            orow[k] = d * F32(x & 15) + m
+            orow[16 + k] = d * F32(x >> 4) + m
 
 
 @njit(**_JIT)
 def q5_0(src, out, h):
     # [d f16][qh u32][qs 16]; e = hi*16 + k; fifth bit = (qh >> e) & 1; q - 16
-    for b in prange(src.size // 22):
-        s, o = b * 22, b * 32
-        d = h[_u16(src, s)]
-        qh = _u32(src, s + 2)
+    s2, o2 = src.reshape(-1, 22), out.reshape(-1, 32)  # (n_blocks, bytes), (n_blocks, elements)
+    for b in prange(s2.shape[0]):
+        row, orow = s2[b], o2[b]
+        d = h[_u16(row, 0)]
+        qh = _u32(row, 2)
         for k in range(16):
-            x = np.int32(src[s + 6 + k])
+            x = np.int32(row[6 + k])
             lo = (x & 15) | np.int32(((qh >> k) & 1) << 4)
             hi = (x >> 4) | np.int32(((qh >> (k + 16)) & 1) << 4)
-            out[o + k] = d * F32(lo - 16)
-            out[o + 16 + k] = d * F32(hi - 16)
+            orow[k] = d * F32(lo - 16)
+            orow[16 + k] = d * F32(hi - 16)
 
 
 @njit(**_JIT)
 def q5_1(src, out, h):
     # [d f16][m f16][qh u32][qs 16]; (d * q) + m
-    for b in prange(src.size // 24):
-        s, o = b * 24, b * 32
-        d = h[_u16(src, s)]
-        m = h[_u16(src, s + 2)]
-        qh = _u32(src, s + 4)
+    s2, o2 = src.reshape(-1, 24), out.reshape(-1, 32)  # (n_blocks, bytes), (n_blocks, elements)
+    for b in prange(s2.shape[0]):
+        row, orow = s2[b], o2[b]
+        d = h[_u16(row, 0)]
+        m = h[_u16(row, 2)]
+        qh = _u32(row, 4)
         for k in range(16):
-            x = np.int32(src[s + 8 + k])
+            x = np.int32(row[8 + k])
             lo = (x & 15) | np.int32(((qh >> k) & 1) << 4)
             hi = (x >> 4) | np.int32(((qh >> (k + 16)) & 1) << 4)
-            out[o + k] = d * F32(lo) + m
-            out[o + 16 + k] = d * F32(hi) + m
+            orow[k] = d * F32(lo) + m
+            orow[16 + k] = d * F32(hi) + m
 
 
 @njit(**_JIT)
 def q8_0(src, out, h):
     # [d f16][qs int8 32]; x * d
-    for b in prange(src.size // 34):
-        s, o = b * 34, b * 32
-        d = h[_u16(src, s)]
+    s2, o2 = src.reshape(-1, 34), out.reshape(-1, 32)  # (n_blocks, bytes), (n_blocks, elements)
+    for b in prange(s2.shape[0]):
+        row, orow = s2[b], o2[b]
+        d = h[_u16(row, 0)]
         for k in range(32):
-            out[o + k] = F32(np.int8(src[s + 2 + k])) * d
+            orow[k] = F32(np.int8(row[2 + k])) * d
 
 
 @njit(**_JIT)
 def iq4_nl(src, out, h, levels):
     # [d f16][qs 16]; e = hi*16 + k: levels[(qs[k] >> 4*hi) & 15]; d * level
-    for b in prange(src.size // 18):
-        s, o = b * 18, b * 32
-        d = h[_u16(src, s)]
+    s2, o2 = src.reshape(-1, 18), out.reshape(-1, 32)  # (n_blocks, bytes), (n_blocks, elements)
+    for b in prange(s2.shape[0]):
+        row, orow = s2[b], o2[b]
+        d = h[_u16(row, 0)]
         for k in range(16):
-            x = src[s + 2 + k]
-            out[o + k] = d * levels[x & 15]
-            out[o + 16 + k] = d * levels[x >> 4]
+            x = row[2 + k]
+            orow[k] = d * levels[x & 15]
+            orow[16 + k] = d * levels[x >> 4]
 
 
 @njit(**_JIT)
 def mxfp4(src, out, e8m0, levels):
     # [e u8][qs 16]; d = 2**(e-128); e = hi*16 + k; d * level
-    for b in prange(src.size // 17):
-        s, o = b * 17, b * 32
-        d = e8m0[src[s]]
+    s2, o2 = src.reshape(-1, 17), out.reshape(-1, 32)  # (n_blocks, bytes), (n_blocks, elements)
+    for b in prange(s2.shape[0]):
+        row, orow = s2[b], o2[b]
+        d = e8m0[row[0]]
         for k in range(16):
-            x = src[s + 1 + k]
-            out[o + k] = d * levels[x & 15]
-            out[o + 16 + k] = d * levels[x >> 4]
+            x = row[1 + k]
+            orow[k] = d * levels[x & 15]
+            orow[16 + k] = d * levels[x >> 4]
 
 
 @njit(**_JIT)
 def nvfp4(src, out, ue4m3, levels):
     # [d ue4m3 x4][qs 32]; sub-block g of 16: e = g*16 + hi*8 + k: level of (qs[g*8+k] >> 4*hi)
-    for b in prange(src.size // 36):
-        s, o = b * 36, b * 64
+    s2, o2 = src.reshape(-1, 36), out.reshape(-1, 64)  # (n_blocks, bytes), (n_blocks, elements)
+    for b in prange(s2.shape[0]):
+        row, orow = s2[b], o2[b]
         for g in range(4):
-            d = ue4m3[src[s + g]]
+            d = ue4m3[row[g]]
             for k in range(8):
-                x = src[s + 4 + g * 8 + k]
-                out[o + g * 16 + k] = d * levels[x & 15]
-                out[o + g * 16 + 8 + k] = d * levels[x >> 4]
+                x = row[4 + g * 8 + k]
+                orow[g * 16 + k] = d * levels[x & 15]
+                orow[g * 16 + 8 + k] = d * levels[x >> 4]
 
 
 # ---- K-quants (256-element super-blocks) -------------------------------------------------
@@ -166,19 +174,20 @@ def nvfp4(src, out, ue4m3, levels):
 def q2_k(src, out, h):
     # [scales 16][qs 64][d f16][dmin f16]; e = j*32 + k (j = half*4 + shift):
     # q = (qs[half*32+k] >> 2*shift) & 3; group g = e // 16: (d*sc[g]) * q - (dmin*mn[g])
-    for b in prange(src.size // 84):
-        s, o = b * 84, b * 256
-        d = h[_u16(src, s + 80)]
-        dmin = h[_u16(src, s + 82)]
+    s2, o2 = src.reshape(-1, 84), out.reshape(-1, 256)  # (n_blocks, bytes), (n_blocks, elements)
+    for b in prange(s2.shape[0]):
+        row, orow = s2[b], o2[b]
+        d = h[_u16(row, 80)]
+        dmin = h[_u16(row, 82)]
         for j in range(8):
             half, shift = j >> 2, 2 * (j & 3)
             for g2 in range(2):
-                sc = src[s + j * 2 + g2]
+                sc = row[j * 2 + g2]
                 dl = d * F32(sc & 15)
                 ml = dmin * F32(sc >> 4)
                 for k in range(g2 * 16, g2 * 16 + 16):
-                    q = (np.int32(src[s + 16 + half * 32 + k]) >> shift) & 3
-                    out[o + j * 32 + k] = dl * F32(q) - ml
+                    q = (np.int32(row[16 + half * 32 + k]) >> shift) & 3
+                    orow[j * 32 + k] = dl * F32(q) - ml
 
 
 @njit(**_JIT)
@@ -186,34 +195,35 @@ def q3_k(src, out, h):
     # [hmask 32][qs 64][scales 12][d f16]; e = j*32 + k:
     # low = (qs[(j//4)*32+k] >> 2*(j%4)) & 3; high = (hmask[k] >> j) & 1; q = low - 4*(1-high)
     # 16 six-bit signed scales: i<8: sc[i]&15, else sc[i-8]>>4; plus ((sc[8+i%4] >> 2*(i//4))&3)<<4
-    for b in prange(src.size // 110):
-        s, o = b * 110, b * 256
-        d = h[_u16(src, s + 108)]
+    s2, o2 = src.reshape(-1, 110), out.reshape(-1, 256)  # (n_blocks, bytes), (n_blocks, elements)
+    for b in prange(s2.shape[0]):
+        row, orow = s2[b], o2[b]
+        d = h[_u16(row, 108)]
         for j in range(8):
             half, shift = j >> 2, 2 * (j & 3)
             for g2 in range(2):
                 i = 2 * j + g2
                 if i < 8:
-                    low4 = np.int32(src[s + 96 + i]) & 15
+                    low4 = np.int32(row[96 + i]) & 15
                 else:
-                    low4 = np.int32(src[s + 96 + i - 8]) >> 4
-                high2 = (np.int32(src[s + 104 + (i & 3)]) >> (2 * (i >> 2))) & 3
+                    low4 = np.int32(row[96 + i - 8]) >> 4
+                high2 = (np.int32(row[104 + (i & 3)]) >> (2 * (i >> 2))) & 3
                 dl = d * F32((low4 | (high2 << 4)) - 32)
                 for k in range(g2 * 16, g2 * 16 + 16):
-                    low = (np.int32(src[s + 32 + half * 32 + k]) >> shift) & 3
-                    high = (np.int32(src[s + k]) >> j) & 1
-                    out[o + j * 32 + k] = dl * F32(low - ((high ^ 1) << 2))
+                    low = (np.int32(row[32 + half * 32 + k]) >> shift) & 3
+                    high = (np.int32(row[k]) >> j) & 1
+                    orow[j * 32 + k] = dl * F32(low - ((high ^ 1) << 2))
 
 
 @njit(inline="always")
-def _k4_scale_min(src, p, j):
+def _k4_scale_min(row, p, j):
     """Q4_K/Q5_K 6-bit (scale, min) of sub-block j from the 12 bytes at p (get_scale_min_k4)."""
     if j < 4:
-        sc = np.int32(src[p + j]) & 63
-        mn = np.int32(src[p + 4 + j]) & 63
+        sc = np.int32(row[p + j]) & 63
+        mn = np.int32(row[p + 4 + j]) & 63
     else:
-        sc = (np.int32(src[p + 4 + j]) & 15) | ((np.int32(src[p + j - 4]) >> 2) & 48)
-        mn = (np.int32(src[p + 4 + j]) >> 4) | ((np.int32(src[p + j]) >> 2) & 48)
+        sc = (np.int32(row[p + 4 + j]) & 15) | ((np.int32(row[p + j - 4]) >> 2) & 48)
+        mn = (np.int32(row[p + 4 + j]) >> 4) | ((np.int32(row[p + j]) >> 2) & 48)
     return sc, mn
 
 
@@ -221,35 +231,37 @@ def _k4_scale_min(src, p, j):
 def q4_k(src, out, h):
     # [d f16][dmin f16][scales 12][qs 128]; e = j*32 + k: (qs[(j//2)*32+k] >> 4*(j%2)) & 15
     # (d*sc[j]) * q - (dmin*mn[j])
-    for b in prange(src.size // 144):
-        s, o = b * 144, b * 256
-        d = h[_u16(src, s)]
-        dmin = h[_u16(src, s + 2)]
+    s2, o2 = src.reshape(-1, 144), out.reshape(-1, 256)  # (n_blocks, bytes), (n_blocks, elements)
+    for b in prange(s2.shape[0]):
+        row, orow = s2[b], o2[b]
+        d = h[_u16(row, 0)]
+        dmin = h[_u16(row, 2)]
         for j in range(8):
-            sc, mn = _k4_scale_min(src, s + 4, j)
+            sc, mn = _k4_scale_min(row, 4, j)
             dl = d * F32(sc)
             ml = dmin * F32(mn)
-            p, shift = s + 16 + (j >> 1) * 32, 4 * (j & 1)
+            p, shift = 16 + (j >> 1) * 32, 4 * (j & 1)
             for k in range(32):
-                q = (np.int32(src[p + k]) >> shift) & 15
-                out[o + j * 32 + k] = dl * F32(q) - ml
+                q = (np.int32(row[p + k]) >> shift) & 15
+                orow[j * 32 + k] = dl * F32(q) - ml
 
 
 @njit(**_JIT)
 def q5_k(src, out, h):
     # [d f16][dmin f16][scales 12][qh 32][qs 128]; like Q4_K plus fifth bit (qh[k] >> j) & 1
-    for b in prange(src.size // 176):
-        s, o = b * 176, b * 256
-        d = h[_u16(src, s)]
-        dmin = h[_u16(src, s + 2)]
+    s2, o2 = src.reshape(-1, 176), out.reshape(-1, 256)  # (n_blocks, bytes), (n_blocks, elements)
+    for b in prange(s2.shape[0]):
+        row, orow = s2[b], o2[b]
+        d = h[_u16(row, 0)]
+        dmin = h[_u16(row, 2)]
         for j in range(8):
-            sc, mn = _k4_scale_min(src, s + 4, j)
+            sc, mn = _k4_scale_min(row, 4, j)
             dl = d * F32(sc)
             ml = dmin * F32(mn)
-            p, shift = s + 48 + (j >> 1) * 32, 4 * (j & 1)
+            p, shift = 48 + (j >> 1) * 32, 4 * (j & 1)
             for k in range(32):
-                q = ((np.int32(src[p + k]) >> shift) & 15) | (((np.int32(src[s + 16 + k]) >> j) & 1) << 4)
-                out[o + j * 32 + k] = dl * F32(q) - ml
+                q = ((np.int32(row[p + k]) >> shift) & 15) | (((np.int32(row[16 + k]) >> j) & 1) << 4)
+                orow[j * 32 + k] = dl * F32(q) - ml
 
 
 @njit(**_JIT)
@@ -257,38 +269,40 @@ def q6_k(src, out, h):
     # [ql 128][qh 64][scales int8 16][d f16]; e = a*128 + r (a = 0,1; r < 128):
     # low = (ql[a*64 + r%64] >> 4*(r//64)) & 15; high = (qh[a*32 + r%32] >> 2*(r//32)) & 3
     # q = (low | high<<4) - 32; (d * sc[e//16]) * q
-    for b in prange(src.size // 210):
-        s, o = b * 210, b * 256
-        d = h[_u16(src, s + 208)]
+    s2, o2 = src.reshape(-1, 210), out.reshape(-1, 256)  # (n_blocks, bytes), (n_blocks, elements)
+    for b in prange(s2.shape[0]):
+        row, orow = s2[b], o2[b]
+        d = h[_u16(row, 208)]
         for g in range(16):
-            dl = d * F32(np.int8(src[s + 192 + g]))
+            dl = d * F32(np.int8(row[192 + g]))
             a, r0 = g >> 3, (g & 7) * 16
-            pl = s + a * 64 + (r0 & 63)
-            ph = s + 128 + a * 32 + (r0 & 31)
+            pl = a * 64 + (r0 & 63)
+            ph = 128 + a * 32 + (r0 & 31)
             sl, sh = 4 * (r0 >> 6), 2 * (r0 >> 5)
             for k in range(16):
-                low = (np.int32(src[pl + k]) >> sl) & 15
-                high = (np.int32(src[ph + k]) >> sh) & 3
-                out[o + g * 16 + k] = dl * F32((low | (high << 4)) - 32)
+                low = (np.int32(row[pl + k]) >> sl) & 15
+                high = (np.int32(row[ph + k]) >> sh) & 3
+                orow[g * 16 + k] = dl * F32((low | (high << 4)) - 32)
 
 
 @njit(**_JIT)
 def iq4_xs(src, out, h, levels):
     # [d f16][scales_h u16][scales_l 4][qs 128]; sub-block i of 32: e = i*32 + hi*16 + k
     # sc = ((scales_l[i//2] >> 4*(i%2)) & 15 | ((scales_h >> 2i) & 3) << 4) - 32; (d*sc) * level
-    for b in prange(src.size // 136):
-        s, o = b * 136, b * 256
-        d = h[_u16(src, s)]
-        sh = _u16(src, s + 2)
+    s2, o2 = src.reshape(-1, 136), out.reshape(-1, 256)  # (n_blocks, bytes), (n_blocks, elements)
+    for b in prange(s2.shape[0]):
+        row, orow = s2[b], o2[b]
+        d = h[_u16(row, 0)]
+        sh = _u16(row, 2)
         for i in range(8):
-            lo = (np.int32(src[s + 4 + (i >> 1)]) >> (4 * (i & 1))) & 15
+            lo = (np.int32(row[4 + (i >> 1)]) >> (4 * (i & 1))) & 15
             hi = np.int32((sh >> (2 * i)) & 3)
             dl = d * F32((lo | (hi << 4)) - 32)
-            p = s + 8 + i * 16
+            p = 8 + i * 16
             for k in range(16):
-                x = src[p + k]
-                out[o + i * 32 + k] = dl * levels[x & 15]
-                out[o + i * 32 + 16 + k] = dl * levels[x >> 4]
+                x = row[p + k]
+                orow[i * 32 + k] = dl * levels[x & 15]
+                orow[i * 32 + 16 + k] = dl * levels[x >> 4]
 
 
 @njit(**_JIT)
@@ -296,34 +310,36 @@ def tq1_0(src, out, h, pow3):
     # [qs 48][qh 4][d f16]; base-3 digits: v = (byte * 3**p) mod 256, q = ((v * 3) >> 8) - 1
     # e < 160: p = e//32 of qs[e%32]; e < 240: p = (e-160)//16 of qs[32+(e-160)%16];
     # else p = (e-240)//4 of qh[(e-240)%4]
-    for b in prange(src.size // 54):
-        s, o = b * 54, b * 256
-        d = h[_u16(src, s + 52)]
+    s2, o2 = src.reshape(-1, 54), out.reshape(-1, 256)  # (n_blocks, bytes), (n_blocks, elements)
+    for b in prange(s2.shape[0]):
+        row, orow = s2[b], o2[b]
+        d = h[_u16(row, 52)]
         for p in range(5):
             m = pow3[p]
             for k in range(32):
-                v = (np.int32(src[s + k]) * m) & 255
-                out[o + p * 32 + k] = d * F32(((v * 3) >> 8) - 1)
+                v = (np.int32(row[k]) * m) & 255
+                orow[p * 32 + k] = d * F32(((v * 3) >> 8) - 1)
             for k in range(16):
-                v = (np.int32(src[s + 32 + k]) * m) & 255
-                out[o + 160 + p * 16 + k] = d * F32(((v * 3) >> 8) - 1)
+                v = (np.int32(row[32 + k]) * m) & 255
+                orow[160 + p * 16 + k] = d * F32(((v * 3) >> 8) - 1)
         for p in range(4):
             m = pow3[p]
             for k in range(4):
-                v = (np.int32(src[s + 48 + k]) * m) & 255
-                out[o + 240 + p * 4 + k] = d * F32(((v * 3) >> 8) - 1)
+                v = (np.int32(row[48 + k]) * m) & 255
+                orow[240 + p * 4 + k] = d * F32(((v * 3) >> 8) - 1)
 
 
 @njit(**_JIT)
 def tq2_0(src, out, h):
     # [qs 64][d f16]; e = j*32 + k (j = half*4 + shift): ((qs[half*32+k] >> 2*shift) & 3) - 1
-    for b in prange(src.size // 66):
-        s, o = b * 66, b * 256
-        d = h[_u16(src, s + 64)]
+    s2, o2 = src.reshape(-1, 66), out.reshape(-1, 256)  # (n_blocks, bytes), (n_blocks, elements)
+    for b in prange(s2.shape[0]):
+        row, orow = s2[b], o2[b]
+        d = h[_u16(row, 64)]
         for j in range(8):
-            p, shift = s + (j >> 2) * 32, 2 * (j & 3)
+            p, shift = (j >> 2) * 32, 2 * (j & 3)
             for k in range(32):
-                out[o + j * 32 + k] = d * F32(((np.int32(src[p + k]) >> shift) & 3) - 1)
+                orow[j * 32 + k] = d * F32(((np.int32(row[p + k]) >> shift) & 3) - 1)
 
 
 # ---- IQ types: codebook lookups ----------------------------------------------------------
@@ -332,127 +348,134 @@ def tq2_0(src, out, h):
 def iq2_xxs(src, out, h, grid, ksigns):
     # [d f16][8 x (aux0 u32, aux1 u32)]; sub-block i: db = (d * (0.5 + aux1>>28)) * 0.25
     # l < 4: point grid[byte l of aux0], signs ksigns[(aux1 >> 7l) & 127]; (db * point) * sign
-    for b in prange(src.size // 66):
-        s, o = b * 66, b * 256
-        d = h[_u16(src, s)]
+    s2, o2 = src.reshape(-1, 66), out.reshape(-1, 256)  # (n_blocks, bytes), (n_blocks, elements)
+    for b in prange(s2.shape[0]):
+        row, orow = s2[b], o2[b]
+        d = h[_u16(row, 0)]
         for i in range(8):
-            p = s + 2 + i * 8
-            aux1 = _u32(src, p + 4)
+            p = 2 + i * 8
+            aux1 = _u32(row, p + 4)
             db = d * (HALF + F32(aux1 >> 28)) * QUARTER
             for l in range(4):
-                row = src[p + l]
+                pt = row[p + l]
                 sg = ksigns[(aux1 >> (7 * l)) & 127]
                 for c in range(8):
-                    v = db * grid[row, c]
-                    out[o + i * 32 + l * 8 + c] = v * (ONE - F32(2 * ((sg >> c) & 1)))
+                    v = db * grid[pt, c]
+                    orow[i * 32 + l * 8 + c] = v * (ONE - F32(2 * ((sg >> c) & 1)))
 
 
 @njit(**_JIT)
 def iq2_xs(src, out, h, grid, ksigns):
     # [d f16][qs u16 x32][scales 8]; entry j of 8: point grid[qs & 511], signs ksigns[qs >> 9]
     # scale of j: (scales[j//4] >> 4*((j//2)%2)) & 15; db = (d * (0.5 + sc)) * 0.25
-    for b in prange(src.size // 74):
-        s, o = b * 74, b * 256
-        d = h[_u16(src, s)]
+    s2, o2 = src.reshape(-1, 74), out.reshape(-1, 256)  # (n_blocks, bytes), (n_blocks, elements)
+    for b in prange(s2.shape[0]):
+        row, orow = s2[b], o2[b]
+        d = h[_u16(row, 0)]
         for j2 in range(16):
-            sc = (np.int32(src[s + 66 + (j2 >> 1)]) >> (4 * (j2 & 1))) & 15
+            sc = (np.int32(row[66 + (j2 >> 1)]) >> (4 * (j2 & 1))) & 15
             db = d * (HALF + F32(sc)) * QUARTER
             for j in range(2 * j2, 2 * j2 + 2):
-                q = _u16(src, s + 2 + 2 * j)
+                q = _u16(row, 2 + 2 * j)
                 sg = ksigns[q >> 9]
-                row = q & 511
+                pt = q & 511
                 for c in range(8):
-                    v = db * grid[row, c]
-                    out[o + j * 8 + c] = v * (ONE - F32(2 * ((sg >> c) & 1)))
+                    v = db * grid[pt, c]
+                    orow[j * 8 + c] = v * (ONE - F32(2 * ((sg >> c) & 1)))
 
 
 @njit(**_JIT)
 def iq2_s(src, out, h, grid):
     # [d f16][qs 32][signs 32][qh 8][scales 8]; entry j: grid[qs[j] | ((qh[j//4] >> 2*(j%4)) & 3) << 8]
     # sign bits signs[j]; db of j//2 as IQ2_XS
-    for b in prange(src.size // 82):
-        s, o = b * 82, b * 256
-        d = h[_u16(src, s)]
+    s2, o2 = src.reshape(-1, 82), out.reshape(-1, 256)  # (n_blocks, bytes), (n_blocks, elements)
+    for b in prange(s2.shape[0]):
+        row, orow = s2[b], o2[b]
+        d = h[_u16(row, 0)]
         for j2 in range(16):
-            sc = (np.int32(src[s + 74 + (j2 >> 1)]) >> (4 * (j2 & 1))) & 15
+            sc = (np.int32(row[74 + (j2 >> 1)]) >> (4 * (j2 & 1))) & 15
             db = d * (HALF + F32(sc)) * QUARTER
             for j in range(2 * j2, 2 * j2 + 2):
-                row = np.int32(src[s + 2 + j]) | (((np.int32(src[s + 66 + (j >> 2)]) >> (2 * (j & 3))) & 3) << 8)
-                sg = src[s + 34 + j]
+                pt = np.int32(row[2 + j]) | (((np.int32(row[66 + (j >> 2)]) >> (2 * (j & 3))) & 3) << 8)
+                sg = row[34 + j]
                 for c in range(8):
-                    v = db * grid[row, c]
-                    out[o + j * 8 + c] = v * (ONE - F32(2 * ((sg >> c) & 1)))
+                    v = db * grid[pt, c]
+                    orow[j * 8 + c] = v * (ONE - F32(2 * ((sg >> c) & 1)))
 
 
 @njit(**_JIT)
 def iq3_xxs(src, out, h, grid, ksigns):
     # [d f16][qs 64][scales u32 x8]; sub-block i: db = (d * (0.5 + sc>>28)) * 0.5;
     # e = i*32 + l*8 + c: point grid[qs[i*8 + l*2 + c//4]][c%4], sign ksigns[(sc >> 7l) & 127] bit c
-    for b in prange(src.size // 98):
-        s, o = b * 98, b * 256
-        d = h[_u16(src, s)]
+    s2, o2 = src.reshape(-1, 98), out.reshape(-1, 256)  # (n_blocks, bytes), (n_blocks, elements)
+    for b in prange(s2.shape[0]):
+        row, orow = s2[b], o2[b]
+        d = h[_u16(row, 0)]
         for i in range(8):
-            aux = _u32(src, s + 66 + 4 * i)
+            aux = _u32(row, 66 + 4 * i)
             db = d * (HALF + F32(aux >> 28)) * HALF
             for l in range(4):
                 sg = ksigns[(aux >> (7 * l)) & 127]
                 for c in range(8):
-                    row = src[s + 2 + i * 8 + l * 2 + (c >> 2)]
-                    v = db * grid[row, c & 3]
-                    out[o + i * 32 + l * 8 + c] = v * (ONE - F32(2 * ((sg >> c) & 1)))
+                    pt = row[2 + i * 8 + l * 2 + (c >> 2)]
+                    v = db * grid[pt, c & 3]
+                    orow[i * 32 + l * 8 + c] = v * (ONE - F32(2 * ((sg >> c) & 1)))
 
 
 @njit(**_JIT)
 def iq3_s(src, out, h, grid):
     # [d f16][qs 64][qh 8][signs 32][scales 4]; sub-block i: db = d * (1 + 2*sc_i)
     # e = i*32 + l*8 + c: g = e//4: grid[qs[g] | ((qh[g//8] >> g%8) & 1) << 8][c%4]; sign signs[i*4+l] bit c
-    for b in prange(src.size // 110):
-        s, o = b * 110, b * 256
-        d = h[_u16(src, s)]
+    s2, o2 = src.reshape(-1, 110), out.reshape(-1, 256)  # (n_blocks, bytes), (n_blocks, elements)
+    for b in prange(s2.shape[0]):
+        row, orow = s2[b], o2[b]
+        d = h[_u16(row, 0)]
         for i in range(8):
-            sc = (np.int32(src[s + 106 + (i >> 1)]) >> (4 * (i & 1))) & 15
+            sc = (np.int32(row[106 + (i >> 1)]) >> (4 * (i & 1))) & 15
             db = d * F32(1 + 2 * sc)
             for l in range(4):
-                sg = src[s + 74 + i * 4 + l]
+                sg = row[74 + i * 4 + l]
                 for c in range(8):
                     g = i * 8 + l * 2 + (c >> 2)
-                    row = np.int32(src[s + 2 + g]) | (((np.int32(src[s + 66 + (g >> 3)]) >> (g & 7)) & 1) << 8)
-                    v = db * grid[row, c & 3]
-                    out[o + i * 32 + l * 8 + c] = v * (ONE - F32(2 * ((sg >> c) & 1)))
+                    pt = np.int32(row[2 + g]) | (((np.int32(row[66 + (g >> 3)]) >> (g & 7)) & 1) << 8)
+                    v = db * grid[pt, c & 3]
+                    orow[i * 32 + l * 8 + c] = v * (ONE - F32(2 * ((sg >> c) & 1)))
 
 
 @njit(**_JIT)
 def iq1_s(src, out, h, grid):
     # [d f16][qs 32][qh u16 x8]; sub-block i: dl = d * (2*((qh>>12)&7) + 1), delta = -+0.125 by bit 15
     # entry j = i*4 + l: grid[qs[j] | ((qh >> 3l) & 7) << 8]; dl * (point + delta)
-    for b in prange(src.size // 50):
-        s, o = b * 50, b * 256
-        d = h[_u16(src, s)]
+    s2, o2 = src.reshape(-1, 50), out.reshape(-1, 256)  # (n_blocks, bytes), (n_blocks, elements)
+    for b in prange(s2.shape[0]):
+        row, orow = s2[b], o2[b]
+        d = h[_u16(row, 0)]
         for i in range(8):
-            qh = _u16(src, s + 34 + 2 * i)
+            qh = _u16(row, 34 + 2 * i)
             dl = d * F32(2 * ((qh >> 12) & 7) + 1)
             delta = -DELTA if qh & 0x8000 else DELTA
             for l in range(4):
-                row = np.int64(src[s + 2 + i * 4 + l]) | (((qh >> (3 * l)) & 7) << 8)
+                pt = np.int64(row[2 + i * 4 + l]) | (((qh >> (3 * l)) & 7) << 8)
                 for c in range(8):
-                    out[o + i * 32 + l * 8 + c] = dl * (grid[row, c] + delta)
+                    orow[i * 32 + l * 8 + c] = dl * (grid[pt, c] + delta)
 
 
 @njit(**_JIT)
 def iq1_m(src, out, h, grid):
     # [qs 32][qh 16][scales u16 x4]; d = f16 from the top nibbles of the 4 scale words
     # entry j (0..31): grid[qs[j] | ((qh[j//2] >> 4*(j%2)) & 7) << 8], delta by bit 3 of that nibble
-    # scale of j//2 = t: (sc[t//4] >> 3*(t%4)) & 7; dl = d * (2*s + 1); dl * (point + delta)
-    for b in prange(src.size // 56):
-        s, o = b * 56, b * 256
-        w0, w1, w2, w3 = _u16(src, s + 48), _u16(src, s + 50), _u16(src, s + 52), _u16(src, s + 54)
+    # scale of j//2 = t: (sc[t//4] >> 3*(t%4)) & 7; dl = d * (2*1); dl * (point + delta)
+    s2, o2 = src.reshape(-1, 56), out.reshape(-1, 256)  # (n_blocks, bytes), (n_blocks, elements)
+    for b in prange(s2.shape[0]):
+        row, orow = s2[b], o2[b]
+        w0, w1, w2, w3 = _u16(row, 48), _u16(row, 50), _u16(row, 52), _u16(row, 54)
         d = h[((w0 & 0xF000) >> 12) | ((w1 & 0xF000) >> 8) | ((w2 & 0xF000) >> 4) | (w3 & 0xF000)]
         for t in range(16):
-            w = _u16(src, s + 48 + 2 * (t >> 2))
+            w = _u16(row, 48 + 2 * (t >> 2))
             dl = d * F32(2 * ((w >> (3 * (t & 3))) & 7) + 1)
             for j in range(2 * t, 2 * t + 2):
-                nib = (np.int64(src[s + 32 + (j >> 1)]) >> (4 * (j & 1))) & 15
-                row = np.int64(src[s + j]) | ((nib & 7) << 8)
+                nib = (np.int64(row[32 + (j >> 1)]) >> (4 * (j & 1))) & 15
+                pt = np.int64(row[j]) | ((nib & 7) << 8)
                 delta = -DELTA if nib & 8 else DELTA
                 for c in range(8):
-                    out[o + j * 8 + c] = dl * (grid[row, c] + delta)
+                    orow[j * 8 + c] = dl * (grid[pt, c] + delta)
