@@ -36,7 +36,9 @@ from torch import Tensor
 from ggufcheck.reference import dsa
 from ggufcheck.reference import mla as ref_mla
 from ggufcheck.reference.config import ReferenceConfig
-from ggufcheck.reference.layers import apply_rope, attention, causal_mask, linear, route, swiglu
+from ggufcheck.reference.cache import LayerCache
+from ggufcheck.reference.layers import (apply_rope, attention, causal_mask, linear, rms_norm, rope_cos_sin,
+                                        rope_inv_freq, route)
 from ggufcheck.sharding.dist import RankContext
 from ggufcheck.sharding.mla import KV_B_RULE, VLLM_LAYOUT, KvBLayout
 from ggufcheck.sharding.rules import Loader, ShardRule, rule_for, shard, vocab_range
@@ -92,8 +94,6 @@ class _Rank:
 
 def rope_tables(cfg: ReferenceConfig, w: Weights, pos: Tensor) -> tuple[Tensor, Tensor]:
     """cos / sin [T, n_rot/2] for positions ``pos``, fp64, with the reference's rope rules."""
-    from ggufcheck.reference.layers import rope_cos_sin, rope_inv_freq
-
     freqs = w.get("rope_freqs.weight")
     inv = rope_inv_freq(cfg.n_rot, cfg.rope_base, cfg.yarn, freqs)
     return rope_cos_sin(pos, inv, torch.float64)
@@ -113,8 +113,6 @@ def attention_tp(r: _Rank) -> Tensor:
     k = k.view(n_tok, -1, cfg.head_dim_k)  # [T, Gl, d]
     v = v.view(n_tok, -1, cfg.head_dim_v)  # [T, Gl, dv]
     if "attn_q_norm.weight" in r.job.weights:  # per-head norms: replicated
-        from ggufcheck.reference.layers import rms_norm
-
         q = rms_norm(q, r.piece("attn_q_norm.weight"), cfg.rms_eps)
         k = rms_norm(k, r.piece("attn_k_norm.weight"), cfg.rms_eps)
     cos, sin = r.rope()
@@ -134,8 +132,6 @@ def mla_tp(r: _Rank, layout: KvBLayout) -> Tensor:
     n_tok, tp = x.shape[0], r.ctx.world_size
     n_local = cfg.n_head // tp
     if cfg.q_lora_rank:
-        from ggufcheck.reference.layers import rms_norm
-
         qr = rms_norm(linear(x, r.piece("attn_q_a.weight")), r.piece("attn_q_a_norm.weight"), cfg.lora_norm_eps)
         q = linear(qr, r.piece("attn_q_b.weight"))  # column-parallel: [T, Hl*(P+R)]
     else:
@@ -231,8 +227,6 @@ def lm_head_tp(r: _Rank) -> dict[str, Tensor]:
 
 def indexer_tp(r: _Rank) -> dict[str, Tensor]:
     """The DSA indexer, replicated: every rank computes all scores and the top-k itself."""
-    from ggufcheck.reference.cache import LayerCache
-
     cfg = r.cfg
     names = [n for n in r.job.weights if n.startswith("indexer.")]
     w = {n: r.piece(n) for n in names}

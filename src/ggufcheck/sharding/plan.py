@@ -17,7 +17,7 @@ Checks, each a Result (component "sharding"):
 
 Tensors are described by anything with ``name``, ``qtype``, ``shape`` (numpy order) and
 ``nbytes``: a file's :class:`ggufcheck.gguf.reader.TensorInfo`, or a planned tensor of a model
-without a file (see :mod:`ggufcheck.sharding.known`).
+without a file (see :mod:`ggufcheck.sharding.mixes`).
 """
 
 from __future__ import annotations
