@@ -6,8 +6,8 @@ ggufcheck's tensor table, the config from the architecture spec, and the modelin
 transformers' (an independent second implementation of the math). Per-layer outputs come
 from forward hooks on the decoder layers, attention and MLP modules.
 
-Config builders exist for the dense families (llama, qwen2, qwen3); MoE / MLA configs
-(deepseek_v3, glm4_moe, glm_moe_dsa) are not built here yet and raise Unsupported.
+Config builders cover llama, qwen2, qwen3, glm4moe (glm4_moe), deepseek2 (deepseek_v3,
+sigmoid router only) and glm-dsa (glm_moe_dsa); anything else raises Unsupported.
 """
 
 from __future__ import annotations
@@ -21,23 +21,58 @@ from ggufcheck.engines.base import LAYER_KINDS, Capabilities, Engine, Generation
 from ggufcheck.engines.base import Unsupported
 from ggufcheck.errors import Unavailable
 
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # GGUF arch -> transformers model_type
+# GGUF arch -> transformers model_type
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "glm4moe": "glm4_moe",
+               "deepseek2": "deepseek_v3", "glm-dsa": "glm_moe_dsa"}
+
+
+def _rope_parameters(spec: Any) -> dict[str, Any]:
+    rope = spec.rope
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": rope.base}
+    if rope.partial:
+        params["partial_rotary_factor"] = rope.n_rot / rope.head_dim
+    if rope.yarn:
+        params.update(rope_type="yarn", factor=rope.factor, original_max_position_embeddings=rope.original_context,
+                      beta_fast=rope.beta_fast, beta_slow=rope.beta_slow, mscale=1.0,
+                      mscale_all_dim=rope.mscale_all_dim)
+    elif rope.scaling not in (None, "none"):
+        raise Unsupported(f"rope scaling {rope.scaling!r} is not mapped to a transformers config yet")
+    return params
 
 
 def hf_config(spec: Any) -> dict[str, Any]:
-    """transformers config kwargs for a dense ArchSpec (llama / qwen2 / qwen3)."""
+    """transformers config kwargs for an ArchSpec (every family ggufcheck has a table for)."""
     if spec.arch not in MODEL_TYPES:
-        raise Unsupported(f"no transformers config builder for {spec.arch!r} yet "
-                          f"(have: {', '.join(MODEL_TYPES)})")
-    cfg = dict(
-        vocab_size=spec.n_vocab, hidden_size=spec.n_embd, intermediate_size=spec.n_ff,
-        num_hidden_layers=spec.n_layer, num_attention_heads=spec.n_head, num_key_value_heads=spec.n_head_kv,
-        head_dim=spec.head_dim_k, rms_norm_eps=spec.rms_eps, rope_theta=spec.rope.base,
+        raise Unsupported(f"no transformers config builder for {spec.arch!r} (have: {', '.join(MODEL_TYPES)})")
+    cfg: dict[str, Any] = dict(
+        vocab_size=spec.n_vocab, hidden_size=spec.n_embd, intermediate_size=spec.n_ff or 1,
+        num_hidden_layers=spec.n_layer, num_attention_heads=spec.n_head, rms_norm_eps=spec.rms_eps,
         max_position_embeddings=spec.context_length or 4096, tie_word_embeddings=bool(spec.tied_output),
-        attention_bias=False,
+        rope_parameters=_rope_parameters(spec),
     )
-    if spec.rope.scaling not in (None, "none"):
-        raise Unsupported(f"rope scaling {spec.rope.scaling!r} is not mapped to a transformers config yet")
+    if spec.mla is None:
+        cfg.update(num_key_value_heads=spec.n_head_kv, head_dim=spec.head_dim_k)
+    else:
+        mla = spec.mla
+        cfg.update(num_key_value_heads=spec.n_head, kv_lora_rank=mla.kv_lora_rank, q_lora_rank=mla.q_lora_rank,
+                   qk_rope_head_dim=mla.qk_rope, qk_nope_head_dim=mla.qk_nope, v_head_dim=mla.v_head)
+    if spec.moe is not None:
+        moe = spec.moe
+        if spec.arch == "deepseek2" and moe.gating.value != "sigmoid":
+            raise Unsupported("transformers' deepseek_v3 routes with sigmoid; this file's router is softmax (V2)")
+        cfg.update(n_routed_experts=moe.n_expert, num_experts_per_tok=moe.n_used, n_shared_experts=moe.n_shared,
+                   moe_intermediate_size=moe.expert_ff, first_k_dense_replace=moe.leading_dense,
+                   norm_topk_prob=moe.weights_norm, routed_scaling_factor=moe.weights_scale,
+                   n_group=moe.n_group, topk_group=moe.n_group_used)
+    if spec.arch in ("deepseek2", "glm4moe", "glm-dsa"):
+        cfg["num_nextn_predict_layers"] = 0
+    if spec.arch == "glm4moe":
+        cfg["attention_bias"] = True
+        cfg["use_qk_norm"] = True
+    if spec.indexer is not None:
+        idx = spec.indexer
+        cfg.update(index_topk=idx.top_k, index_head_dim=idx.head_dim, index_n_heads=idx.n_head,
+                   indexer_types=["full" if f else "shared" for f in idx.full[:spec.n_layer]])
     return cfg
 
 

@@ -7,7 +7,8 @@ llama.cpp's scheduler evaluation callback (``cb_eval``) set on a second context 
 same loaded model. llama_cpp is imported only when this engine is opened.
 
 llama.cpp on CPU quantizes activations to 8-bit blocks before a matmul with quantized
-weights, so its numerical class is "q8" (see ``checks.logits`` for that allowance).
+weights, so for quantized files its numerical class is "q8" (``activation_class``; see
+``checks.logits`` for that allowance); F32 / F16 / BF16 files are fp32 / fp16 / bf16.
 """
 
 from __future__ import annotations
@@ -42,6 +43,24 @@ NODE_KINDS = {
 }
 GGML_TYPE_F32 = 0
 GGML_TYPE_I32 = 26
+
+
+def activation_class(model_path: str | Path) -> str:
+    """The numerical class of llama.cpp's CPU matmuls for this file's weights.
+
+    ggml converts a matmul's activations to the weight type's ``vec_dot_type``: F32 stays
+    f32, F16 / BF16 weights round activations to f16 / bf16, and quantized weights quantize
+    activations to 8-bit blocks (Q8_0 / Q8_1 / Q8_K). The most common type among the 2-D
+    ``blk.*`` weights decides.
+    """
+    from collections import Counter
+
+    from ggufcheck.gguf.reader import open_gguf
+
+    with open_gguf(model_path) as model:
+        types = Counter(t.qtype.name for t in model.tensors.values() if t.name.startswith("blk.") and len(t.ne) >= 2)
+    dominant = types.most_common(1)[0][0] if types else "F32"
+    return {"F32": "fp32", "F16": "fp16", "BF16": "bf16"}.get(dominant, "q8")
 
 
 class _GGMLTensorHead(ctypes.Structure):
@@ -79,7 +98,7 @@ class LlamaCppEngine(Engine):
         self.capabilities = Capabilities(
             tokenize=True, score=True, full_vocab=True, max_top_k=self.vocab_size, generate=True,
             batch=False, chunked_prefill=True,
-            layer_outputs=frozenset(NODE_KINDS.values()), activation_dtype="q8",
+            layer_outputs=frozenset(NODE_KINDS.values()), activation_dtype=activation_class(self.model_path),
             reasons=reasons(
                 batch="llama-cpp-python's Llama object decodes one sequence at a time",
                 weights="llama-cpp-python exposes no loaded-tensor access by HF name",
