@@ -67,30 +67,35 @@ def expected(op: str, dtype: torch.dtype, n: int, world_size: int) -> torch.Tens
 
 
 def check_collectives(per_rank: list[dict[str, torch.Tensor]], backend: str) -> list[Result]:
-    """One Result per collective and dtype: every rank must hold exactly the known answer."""
+    """One Result per collective (all dtypes and sizes): every rank must hold exactly the answer."""
     world_size = len(per_rank)
-    results = []
+    cases: dict[str, list[str]] = {}
     for key in per_rank[0]:
-        op, dtype_name, n = key.split("/")
-        dtype = getattr(torch, dtype_name)
-        want = expected(op, dtype, int(n), world_size)
+        cases.setdefault(key.split("/")[0], []).append(key)
+    results = []
+    for op, keys in cases.items():
         bad: list[dict[str, Any]] = []
-        for rank, got in enumerate(per_rank):
-            t = got[key]
-            if t.shape != want.shape:
-                bad.append({"rank": rank, "problem": f"shape {tuple(t.shape)} != {tuple(want.shape)}"})
-                continue
-            wrong = (t.double() != want.double()).nonzero()
-            if len(wrong):
-                i = int(wrong[0, 0])
-                bad.append({"rank": rank, "index": i, "got": float(t[i]), "expected": float(want[i]),
-                            "n_wrong": len(wrong)})
-        check = f"sharding.collectives.{op}"
-        what = f"{op} of {n} x {dtype_name} over {world_size} rank(s) ({backend})"
+        for key in keys:
+            _, dtype_name, n = key.split("/")
+            want = expected(op, getattr(torch, dtype_name), int(n), world_size)
+            for rank, got in enumerate(per_rank):
+                t = got[key]
+                if t.shape != want.shape:
+                    bad.append({"rank": rank, "case": key, "problem": f"shape {tuple(t.shape)} != {tuple(want.shape)}"})
+                    continue
+                wrong = (t.double() != want.double()).nonzero()
+                if len(wrong):
+                    i = int(wrong[0, 0])
+                    bad.append({"rank": rank, "case": key, "index": i, "got": float(t[i]),
+                                "expected": float(want[i]), "n_wrong": len(wrong)})
+        cases_text = ", ".join(k.split("/", 1)[1].replace("/", " x ") for k in keys)
+        what = f"{op} over {world_size} rank(s) ({backend}) of {cases_text}"
+        stats = {"world_size": world_size, "cases": [k.split("/", 1)[1] for k in keys]}
         if bad:
-            results.append(failed(check, COMPONENT, f"{what}: {len(bad)} rank(s) hold a wrong result",
-                                  stats={"ranks_wrong": len(bad)}, worst=bad[0]))
+            results.append(failed(f"sharding.collectives.{op}", COMPONENT,
+                                  f"{op}: {len(bad)} (rank, case) pair(s) hold a wrong result, first rank "
+                                  f"{bad[0]['rank']} in {bad[0]['case']}", stats=stats, worst=bad[0]))
         else:
-            results.append(passed(check, COMPONENT, f"{what}: exact on every rank",
-                                  stats={"elements": int(n), "world_size": world_size}))
+            results.append(passed(f"sharding.collectives.{op}", COMPONENT, f"{what}: exact on every rank",
+                                  stats=stats))
     return results
