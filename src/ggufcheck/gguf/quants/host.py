@@ -120,7 +120,8 @@ def dequantize_into(raw: np.ndarray, qtype: Q, out: np.ndarray) -> np.ndarray:
         return out
     if cpu_path(qtype) == "numba" and _run_kernel(qtype, src, flat):
         return out
-    flat[:] = _gguf_py(src, qtype).reshape(-1)
+    with np.errstate(all="ignore"):  # NaN/Inf scales are data here, not errors
+        flat[:] = _gguf_py(src, qtype).reshape(-1)
     return out
 
 
