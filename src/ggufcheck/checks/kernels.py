@@ -142,8 +142,9 @@ def build_plan(shapes: ModelShapes | None = None, options: KernelOptions = Kerne
                               shape={"t": 16, "dim": min(hidden, 2048), "inter": 256,
                                      "experts": experts, "k": used}))
         for qtype in (shapes.qtypes if shapes else DEFAULT_QTYPES):
-            plan.append(_spec("dequant", when, device, "float32", f"ggufcheck.{qtype}", impl="ggufcheck",
-                              qtype=qtype, ggufcheck_src=SRC_ROOT))
+            for dt in _unique(["float32", dtypes[0]]):
+                plan.append(_spec("dequant", when, device, dt, f"ggufcheck.{qtype}", impl="ggufcheck",
+                                  qtype=qtype, ggufcheck_src=SRC_ROOT))
             plan.append(_spec("dequant", when, device, dtypes[0], f"vllm.{qtype}", impl="vllm", qtype=qtype))
             for op in ("ggml_mul_mat_vec_a8", "ggml_mul_mat_a8"):
                 plan.append(_spec("ggml_matmul", when, device, dtypes[0], f"{op}.{qtype}", op=op, qtype=qtype))

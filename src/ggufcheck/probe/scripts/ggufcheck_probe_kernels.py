@@ -493,12 +493,14 @@ def dequant_case(spec: dict, data: dict | None) -> KernelCase:
             if qenum not in gpu.KERNELS:
                 raise Unsupported(f"ggufcheck has no Triton kernel for {qtype} (it would fall "
                                   "back to the CPU path, which is not a GPU kernel)")
-            return lambda raw, qt, rows, cols: gpu.dequantize(raw.contiguous(), qenum, torch.float32)
+            # writes into the caller's (poisoned) buffer: the "runs" tier sees unwritten values
+            return lambda raw, qt, rows, cols, out: gpu.dequantize(
+                raw.contiguous(), qenum, out.dtype, out=out.view(-1))
         if not device.startswith("cuda"):
             raise Unsupported("vLLM's ggml ops run only on CUDA")
         ops = _import("vllm._custom_ops")
 
-        def run(raw, qt, rows, cols):
+        def run(raw, qt, rows, cols, out):
             try:
                 return ops.ggml_dequantize(raw, qt, rows, cols, _dt(dtype))
             except TypeError:  # older vLLM: no dtype argument, fp16 out
@@ -510,7 +512,7 @@ def dequant_case(spec: dict, data: dict | None) -> KernelCase:
 
     def execute(fn, x, out):
         rows, cols = x["want"].shape
-        y = fn(x["raw"], x["qt"], rows, cols)
+        y = fn(x["raw"], x["qt"], rows, cols, out)
         return y.reshape(rows, cols)
 
     def compare(out, ref, x, case):
@@ -523,7 +525,9 @@ def dequant_case(spec: dict, data: dict | None) -> KernelCase:
         tol = 4 * u * want.abs() + 1e-30
         nan_ok = torch.isnan(got) == torch.isnan(want)
         bad = ((got - want).abs() > tol) & ~torch.isnan(want)
-        exact = float((got == want).double().mean())
+        # bit-exact against gguf-py's values rounded once to the output dtype (NaN == NaN)
+        rounded = want.to(out.dtype).to(torch.float64)
+        exact = float(((got == rounded) | (torch.isnan(got) & torch.isnan(rounded))).double().mean())
         stats = {"elements": want.numel(), "mismatches": int(bad.sum()),
                  "bit_exact_fraction": exact, "out_dtype": str(out.dtype),
                  "max_abs": float((got - want).abs().nan_to_num(0).max())}
@@ -537,6 +541,7 @@ def dequant_case(spec: dict, data: dict | None) -> KernelCase:
     return KernelCase(
         id=spec["id"], kind="dequant", dtype=dtype, device=device, load=load, prepare=prepare,
         execute=execute, reference=lambda x: x["want"], compare=compare,
+        out_spec=lambda x: (tuple(x["want"].shape), _dt(dtype)),
         info={"impl": impl, "qtype": qtype})
 
 
