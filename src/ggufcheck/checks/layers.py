@@ -1,0 +1,553 @@
+"""The ``layers`` stage: which layer first computes something wrong, and which part of it.
+
+1. Per layer, the engine's residual stream (layer output) against the fp64 reference on the
+   same tokens: relative error ``||a - b|| / ||b||`` per position, max over positions and
+   prompts. Its limit is the honest baseline: the fp32 reference's error against fp64 for
+   the same layer, times :attr:`LayerOptions.multiple`, never below
+   :attr:`LayerOptions.floor`, and for engines whose activations are bf16 / fp16 / q8 never
+   below the stated allowance of that class (a reference run cannot reproduce their
+   rounding). The first layer over its limit is where the bisection looks.
+2. Inside that layer, errors must not carry over: the reference layer is REPLAYED on the
+   engine's own input to it (``ReferenceModel`` family code, fp64; fp32 replay for the
+   baseline), and the attention block and the FFN / MoE block are compared separately (the
+   FFN replay reads the engine's own post-attention residual). Then:
+   - MoE: router agreement (expert-set Jaccard vs the replay, positions whose K-th and
+     (K+1)-th selection scores are within a tie margin left out) -> "moe-router"; a routed
+     output that is the reference's times a constant (a routed-scale bug) -> "moe-router";
+     otherwise "moe-experts" (the router agrees or is not exposed). Dense: "ffn".
+   - glm-dsa: indexer top-k overlap as SETS, positions the reference marks as boundary ties
+     left out -> "indexer".
+   - Finer attribution only by positive identification: the engine's block equals, within
+     the same baseline, the reference block with ONE named change: rope pairing swapped ->
+     "rope"; the other common RMS eps -> "norm"; kv_b under a known wrong TP layout ->
+     "mla-kv-b"; dense instead of sparse attention -> "indexer"; bias-free routing ->
+     "moe-router". Nothing matched -> the block ("attention", "ffn", "moe-experts").
+   When every block of the first diverging layer replays within its baseline (the layer
+   itself is right and only amplifies an earlier near-limit error), the next layers are
+   examined the same way (up to :attr:`LayerOptions.max_replays`); if none localizes, the
+   result is "output" at the first diverging layer.
+
+Shapes: residuals, attention and FFN outputs [T, D]; router ids [T, K]; top-k [T, k].
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ggufcheck.results import Result, StageReport, failed, passed, skipped
+
+STAGE = "layers"
+
+
+@dataclass(frozen=True)
+class LayerOptions:
+    """Thresholds of the layers stage (module docstring says how each is used)."""
+
+    multiple: float = 10.0  # engine error may be this many times the fp32 baseline error
+    floor: float = 1e-5  # relative error always accepted (about 100 fp32 roundings)
+    # activation classes whose rounding a reference run cannot reproduce: relative error
+    # per layer accepted regardless of the baseline
+    allowances: dict[str, float] = field(default_factory=lambda: {"bf16": 3e-2, "fp16": 5e-3, "q8": 5e-2})
+    router_min_jaccard: float = 0.95  # mean expert-set Jaccard over untied positions
+    router_tie_margin: float = 1e-5  # selection scores closer than this are a tie
+    indexer_min_overlap: float = 0.95  # mean top-k set overlap over untied positions
+    scale_fit_tolerance: float = 1e-3  # |alpha - 1| below this is no scale error
+    max_replays: int = 3  # layers replayed after the first diverging one when it localizes nothing
+
+
+# ------------------------------------------------------------------------------- metrics
+def rel_errors(got: Tensor, want: Tensor) -> Tensor:
+    """Per-position ||got - want|| / ||want|| [T] (float64; inf where got is not finite)."""
+    got, want = got.to(torch.float64), want.to(torch.float64)
+    num = (got - want).norm(dim=-1)
+    den = want.norm(dim=-1)
+    den = den.clamp_min(max(float(den.mean()) * 1e-6, 1e-300))
+    err = num / den
+    return torch.where(torch.isfinite(got).all(dim=-1), err, torch.full_like(err, math.inf))
+
+
+@dataclass
+class _Err:
+    """Max relative error over prompts and positions, and where it is."""
+
+    value: float = 0.0
+    sequence: int | None = None
+    position: int | None = None
+    element: int | None = None
+
+    def update(self, errs: Tensor, got: Tensor, want: Tensor, seq: int, keep: Tensor | None = None) -> None:
+        if keep is not None:
+            errs = torch.where(keep, errs, torch.zeros_like(errs))
+        if errs.numel() == 0:
+            return
+        t = int(torch.argmax(torch.nan_to_num(errs, nan=math.inf)))
+        v = float(errs[t])
+        if math.isnan(v):
+            v = math.inf
+        if v > self.value or self.sequence is None:
+            diff = (got[t].to(torch.float64) - want[t].to(torch.float64)).abs()
+            diff = torch.nan_to_num(diff, nan=math.inf)
+            self.value, self.sequence, self.position, self.element = v, seq, t, int(torch.argmax(diff))
+
+    def worst(self) -> dict[str, Any] | None:
+        if self.sequence is None:
+            return None
+        return {"sequence": self.sequence, "position": self.position, "element": self.element}
+
+
+def _limit(baseline: float, opts: LayerOptions, allowance: float) -> float:
+    return max(opts.multiple * baseline, opts.floor, allowance)
+
+
+# ------------------------------------------------------------------------------- replay
+def _ffn_parts(cfg, w: dict[str, Tensor], after_attn: Tensor, layer: int):
+    """The FFN / MoE block on ``after_attn`` [T, D]: (out, routed, shared, ids, select)."""
+    from ggufcheck.reference.layers import linear, moe, rms_norm, swiglu
+
+    norm = w["ffn_norm.weight"] if "ffn_norm.weight" in w else w["post_attention_norm.weight"]
+    x = rms_norm(after_attn, norm, cfg.rms_eps)
+    if not cfg.is_moe_layer(layer):
+        return swiglu(x, w["ffn_gate.weight"], w["ffn_up.weight"], w["ffn_down.weight"]), None, None, None, None
+    from ggufcheck.reference.layers import route
+
+    ids, weights = route(x, w["ffn_gate_inp.weight"], w.get("exp_probs_b.bias"), cfg)
+    logits = linear(x, w["ffn_gate_inp.weight"])  # [T, E]: the selection scores, for tie margins
+    probs = torch.softmax(logits, dim=-1) if cfg.gating == "softmax" else torch.sigmoid(logits)
+    select = probs + w["exp_probs_b.bias"] if "exp_probs_b.bias" in w else probs
+    if "ffn_gate_up_exps.weight" in w:
+        gate_up = w["ffn_gate_up_exps.weight"]  # [E, 2F, D]
+        gate, up = gate_up[:, : cfg.n_ff_exp], gate_up[:, cfg.n_ff_exp:]
+    else:
+        gate, up = w["ffn_gate_exps.weight"], w["ffn_up_exps.weight"]
+    routed = moe(x, ids, weights, gate, up, w["ffn_down_exps.weight"])
+    shared = None
+    if "ffn_gate_shexp.weight" in w:
+        shared = swiglu(x, w["ffn_gate_shexp.weight"], w["ffn_up_shexp.weight"], w["ffn_down_shexp.weight"])
+    out = routed if shared is None else routed + shared
+    return out, routed, shared, ids, select
+
+
+def _router_ties(select: Tensor, ids: Tensor, margin: float) -> Tensor:
+    """[T] bool: the weakest chosen expert and the best unchosen one score within ``margin``."""
+    chosen = select.gather(1, ids).min(dim=-1).values  # [T]
+    rest = select.scatter(1, ids, float("-inf")).max(dim=-1).values  # [T]
+    return (chosen - rest).abs() < margin
+
+
+class _Replayer:
+    """Replays of one reference layer (fp64, and fp32 for baselines) on given inputs."""
+
+    def __init__(self, ref, layer: int):
+        self.ref, self.layer = ref, layer
+        self.w = ref.weights.layer(layer)
+
+    def attention(self, h_in: Tensor, shared_topk: Tensor | None, cfg=None,
+                  weights: Callable | None = None):
+        """Run the whole layer (family code) on h_in; the LayerOutput (attn_out, topk, ...)."""
+        from ggufcheck.reference.cache import LayerCache
+
+        ref = self.ref
+        cfg = ref.cfg if cfg is None else cfg
+        w = self.w if weights is None else weights(cfg, self.layer, dict(self.w))
+        h = h_in.to(dtype=ref.dtype, device=ref.device)
+        pos = torch.arange(h.shape[0], device=ref.device)
+        shared = {} if shared_topk is None else {"topk": shared_topk.to(ref.device)}
+        with torch.no_grad():
+            return ref.family.forward_layer(cfg, self.layer, w, h, ref.rope(pos), pos, pos, LayerCache(), shared)
+
+    def ffn(self, after_attn: Tensor, cfg=None, weights: Callable | None = None):
+        ref = self.ref
+        cfg = ref.cfg if cfg is None else cfg
+        w = self.w if weights is None else weights(cfg, self.layer, dict(self.w))
+        with torch.no_grad():
+            return _ffn_parts(cfg, w, after_attn.to(dtype=ref.dtype, device=ref.device), self.layer)
+
+    def close(self) -> None:
+        self.ref.weights.release(self.layer)
+
+
+def _hypotheses_attention(cfg) -> list[tuple[str, str, dict | None, Callable | None]]:
+    """(component, what changed, config changes, weight transform) for the attention block."""
+    from ggufcheck.testing import faults
+
+    out: list[tuple[str, str, dict | None, Callable | None]] = [
+        ("rope", f"rope pairing {'NEOX' if cfg.rope_mode == 'norm' else 'NORM'} instead of "
+                 f"{cfg.rope_mode.upper()}", {"rope_mode": "neox" if cfg.rope_mode == "norm" else "norm"}, None),
+    ]
+    for eps in faults.COMMON_EPS:
+        if not math.isclose(eps, cfg.rms_eps, rel_tol=1e-3):
+            out.append(("norm", f"RMSNorm eps {eps:g} instead of {cfg.rms_eps:.3g}", {"rms_eps": eps}, None))
+    if cfg.is_mla:
+        for tp in (2, 4, 8):
+            if cfg.n_head % tp == 0:
+                out.append(("mla-kv-b", f"kv_b as [all K; all V] with a patched split under TP {tp}", None,
+                            faults._kv_b_patch(faults.KV_B_ALL_K_THEN_V, tp)))
+        out.append(("mla-kv-b", "kv_b with V rows before K rows inside each head", None,
+                    faults._kv_b_patch(faults.KV_B_V_THEN_K, 1)))
+    if cfg.has_indexer:
+        out.append(("indexer", "dense causal attention instead of the DSA top-k (indexer ignored)",
+                    {"indexer_heads": 0}, None))
+    return out
+
+
+def _hypotheses_ffn(cfg, moe_layer: bool) -> list[tuple[str, str, dict | None, Callable | None]]:
+    from ggufcheck.testing import faults
+
+    out: list[tuple[str, str, dict | None, Callable | None]] = []
+    for eps in faults.COMMON_EPS:
+        if not math.isclose(eps, cfg.rms_eps, rel_tol=1e-3):
+            out.append(("norm", f"RMSNorm eps {eps:g} instead of {cfg.rms_eps:.3g}", {"rms_eps": eps}, None))
+    if moe_layer:
+        out.append(("moe-router", "routing without the selection bias exp_probs_b", None,
+                    lambda c, i, w: {k: v for k, v in w.items() if k != "exp_probs_b.bias"}))
+    return out
+
+
+# ------------------------------------------------------------------------------- the stage
+def run_layers_stage(engine, reference, tokens_list: Sequence[Sequence[int]], baseline_reference=None,
+                     options: LayerOptions | None = None) -> StageReport:
+    """Bisect the layers of ``engine`` against ``reference`` (a fp64 ReferenceModel).
+
+    ``baseline_reference`` (a fp32 ReferenceModel of the same file) gives the per-layer
+    baselines; without it only the floor and the activation class allowance apply.
+    """
+    opts = options or LayerOptions()
+    report = StageReport(STAGE)
+    caps = engine.capabilities
+    kinds = set(caps.layer_outputs)
+    if "residual" not in kinds:
+        report.add(skipped(STAGE, "output", caps.why_not("layer_outputs") if not kinds else
+                           f"the engine exposes {sorted(kinds)} but not the residual stream"))
+        return report
+    seqs = [[int(t) for t in s] for s in tokens_list if len(s) >= 1]
+    if not seqs:
+        report.add(skipped(STAGE, "output", "no token sequences to run"))
+        return report
+    cfg = reference.cfg
+    n_layer = cfg.n_layer
+    allowance = opts.allowances.get(caps.activation_dtype, 0.0)
+    want_kinds = [k for k in ("residual", "attention", "ffn", "router", "indexer") if k in kinds]
+
+    runs = []  # per sequence: (engine trace, reference trace, baseline trace or None)
+    for s in seqs:
+        eng = engine.layer_outputs(s, want_kinds)
+        with torch.no_grad():
+            ref_trace = reference.prefill(s, trace=True)
+            base_trace = baseline_reference.prefill(s, trace=True) if baseline_reference is not None else None
+        runs.append((eng, ref_trace, base_trace))
+
+    per_layer = []
+    errors: list[_Err] = []
+    for i in range(n_layer):
+        err, base = _Err(), _Err()
+        for n, (eng, ref_trace, base_trace) in enumerate(runs):
+            got = eng.tensors.get(("residual", i))
+            if got is None:
+                continue
+            got = torch.as_tensor(np.asarray(got))
+            want = ref_trace.layers[i].hidden
+            err.update(rel_errors(got, want), got, want, n)
+            if base_trace is not None:
+                b = base_trace.layers[i].hidden
+                base.update(rel_errors(b, want), b, want, n)
+        errors.append(err)
+        limit = _limit(base.value, opts, allowance)
+        per_layer.append({"layer": i, "error": err.value, "baseline": base.value, "limit": limit,
+                          "ratio": _ratio(err.value, base.value)})
+    report.info.update(per_layer=per_layer, multiple=opts.multiple, floor=opts.floor, allowance=allowance,
+                       activation_dtype=caps.activation_dtype, prompts=len(seqs),
+                       baseline="fp32 reference vs fp64" if baseline_reference is not None else "none (floor only)")
+
+    first = next((row["layer"] for row in per_layer if not row["error"] <= row["limit"]), None)
+    if first is None:
+        worst = max(per_layer, key=lambda r: r["error"] / r["limit"])
+        report.add(passed("layers.residual", "output",
+                          f"all {n_layer} layers within their baselines (worst layer {worst['layer']}: "
+                          f"error {worst['error']:.3g}, limit {worst['limit']:.3g})",
+                          stats={"layers": n_layer, "worst_layer": worst["layer"], "error": worst["error"],
+                                 "limit": worst["limit"]}))
+        return report
+
+    for row in per_layer[:first]:
+        report.add(passed("layers.residual", "output",
+                          f"layer {row['layer']}: residual error {row['error']:.3g} <= limit {row['limit']:.3g}",
+                          layer=row["layer"], stats=_stats(row)))
+    found = None
+    for i in range(first, min(n_layer, first + 1 + opts.max_replays)):
+        results, named = _localize(i, runs, reference, baseline_reference, kinds, opts, allowance)
+        if named:
+            found = i
+            for j in range(first, i):  # diverged, but their blocks replay within baseline: carried
+                row = per_layer[j]
+                report.add(passed("layers.residual", "output",
+                                  f"layer {j}: residual error {row['error']:.3g} > limit {row['limit']:.3g}, but "
+                                  f"every block replays within its baseline on the engine's own input (carried)",
+                                  layer=j, stats=dict(_stats(row), carried=True)))
+            row = per_layer[i]
+            report.add(failed("layers.residual", "output",
+                              f"layer {i}: residual error {row['error']:.3g} vs limit {row['limit']:.3g} "
+                              f"(baseline {row['baseline']:.3g}); the first layer that diverges"
+                              + (f" is {first}, the first that computes wrongly is {i}" if i != first else ""),
+                              layer=i, stats=_stats(row), worst=errors[i].worst()))
+            report.add(results)
+            break
+    if found is None:
+        row = per_layer[first]
+        report.add(failed("layers.residual", "output",
+                          f"layer {first}: residual error {row['error']:.3g} > limit {row['limit']:.3g} "
+                          f"(baseline {row['baseline']:.3g}), but no block of layers {first}.."
+                          f"{min(n_layer, first + 1 + opts.max_replays) - 1} fails on replay: not localized",
+                          layer=first, stats=_stats(row), worst=errors[first].worst()))
+    report.info["first_diverging_layer"] = first
+    report.info["localized_layer"] = found
+    return report
+
+
+def _ratio(err: float, base: float) -> float | None:
+    if base > 0:
+        return err / base
+    return None if err == 0 else math.inf
+
+
+def _stats(row: dict) -> dict:
+    return {"error": row["error"], "baseline": row["baseline"], "limit": row["limit"], "ratio": row["ratio"]}
+
+
+def _engine_input(i: int, eng, ref_trace) -> Tensor:
+    if i == 0:
+        return ref_trace.embeddings  # engines do not expose embeddings: layer 0 reads the reference's
+    return torch.as_tensor(np.asarray(eng.tensors[("residual", i - 1)]))
+
+
+def _shared_topk(i: int, cfg, eng, ref_rep, inputs) -> Tensor | None:
+    """A glm-dsa shared layer's top-k: the engine's own from its latest full layer when it
+    reports one, else the reference's latest full layer replayed on the engine's input."""
+    if not cfg.has_indexer or cfg.indexer_full[i]:
+        return None
+    for j in range(i - 1, -1, -1):
+        if cfg.indexer_full[j]:
+            got = eng.tensors.get(("indexer", j))
+            if got is not None:
+                return torch.as_tensor(np.asarray(got)).to(torch.int64)
+            return _Replayer(ref_rep, j).attention(inputs(j), _shared_topk(j, cfg, eng, ref_rep, inputs)).topk
+    return None
+
+
+def _localize(i: int, runs, reference, baseline_reference, kinds: set[str], opts: LayerOptions,
+              allowance: float) -> tuple[list[Result], bool]:
+    """Compare layer i's blocks on replayed inputs: (Results, whether a failing block was named)."""
+    cfg = reference.cfg
+    moe_layer = cfg.is_moe_layer(i)
+    rep = _Replayer(reference, i)
+    base_rep = _Replayer(baseline_reference, i) if baseline_reference is not None else None
+    attn_err, attn_base, ffn_err, ffn_base = _Err(), _Err(), _Err(), _Err()
+    jac, n_jac, ov, n_ov = 0.0, 0, 0.0, 0
+    fit_num = fit_den = 0.0
+    fit_res = _Err()
+    cases = []  # per sequence: (n, target, routed) for the routed-scale fit
+    hyp_inputs = []  # per sequence: what the hypotheses replay
+    for n, (eng, ref_trace, _b) in enumerate(runs):
+        h_in = _engine_input(i, eng, ref_trace)
+
+        def inputs(j, eng=eng, ref_trace=ref_trace):
+            return _engine_input(j, eng, ref_trace)
+
+        shared = _shared_topk(i, cfg, eng, reference, inputs)
+        out = rep.attention(h_in, shared)
+        h_out = torch.as_tensor(np.asarray(eng.tensors[("residual", i)])).to(torch.float64)
+        a_eng = eng.tensors.get(("attention", i))
+        f_eng = eng.tensors.get(("ffn", i))
+        h64 = h_in.to(torch.float64)
+        if a_eng is not None:
+            a_eng = torch.as_tensor(np.asarray(a_eng)).to(torch.float64)
+        if f_eng is not None:
+            f_eng = torch.as_tensor(np.asarray(f_eng)).to(torch.float64)
+        if a_eng is None and f_eng is not None:
+            a_eng = h_out - h64 - f_eng
+        if f_eng is None and a_eng is not None:
+            f_eng = h_out - h64 - a_eng
+        if a_eng is None:  # only the residual: the whole layer
+            a_eng, f_eng = None, None
+        keep_a = None
+        if out.topk_ties is not None:
+            keep_a = ~out.topk_ties.cpu()  # a tie at the top-k boundary: either set is correct
+        if a_eng is not None:
+            attn_err.update(rel_errors(a_eng, out.attn_out), a_eng, out.attn_out, n, keep_a)
+            if base_rep is not None:
+                b = base_rep.attention(h_in, shared)
+                attn_base.update(rel_errors(b.attn_out, out.attn_out), b.attn_out, out.attn_out, n, keep_a)
+            after = h64 + a_eng
+            f_ref, routed, shexp, ids, select = rep.ffn(after)
+            keep_f = None
+            if ids is not None:
+                keep_f = ~_router_ties(select, ids, opts.router_tie_margin)
+                eng_ids = eng.tensors.get(("router", i))
+                if eng_ids is not None:
+                    eng_ids = torch.as_tensor(np.asarray(eng_ids)).to(torch.int64)
+                    for t in torch.nonzero(keep_f).flatten().tolist():
+                        a, b = set(eng_ids[t].tolist()), set(ids[t].tolist())
+                        jac += len(a & b) / max(len(a | b), 1)
+                        n_jac += 1
+                # routed-scale fit: f_eng - shared = alpha * routed
+                target = f_eng - (shexp if shexp is not None else 0.0)
+                r = routed[keep_f] if keep_f is not None else routed
+                tt = target[keep_f] if keep_f is not None else target
+                fit_num += float((tt * r).sum())
+                fit_den += float((r * r).sum())
+                cases.append((n, tt, r))
+            ffn_err.update(rel_errors(f_eng, f_ref), f_eng, f_ref, n, keep_f)
+            if base_rep is not None:
+                fb = base_rep.ffn(after)[0]
+                ffn_base.update(rel_errors(fb, f_ref), fb, f_ref, n, keep_f)
+        else:
+            attn_err.update(rel_errors(h_out, out.hidden), h_out, out.hidden, n, keep_a)
+            if base_rep is not None:
+                b = base_rep.attention(h_in, shared)
+                attn_base.update(rel_errors(b.hidden, out.hidden), b.hidden, out.hidden, n, keep_a)
+        eng_topk = eng.tensors.get(("indexer", i))
+        if eng_topk is not None and out.topk is not None and out.topk_full:
+            eng_topk = torch.as_tensor(np.asarray(eng_topk)).to(torch.int64)
+            ties = out.topk_ties if out.topk_ties is not None else torch.zeros(len(out.topk), dtype=torch.bool)
+            for t in range(out.topk.shape[0]):
+                if bool(ties[t]):
+                    continue
+                a = {x for x in eng_topk[t].tolist() if x >= 0}
+                b = {x for x in out.topk[t].tolist() if x >= 0}
+                if b:
+                    ov += len(a & b) / len(b)
+                    n_ov += 1
+        hyp_inputs.append((n, h_in, shared, a_eng, f_eng, h64, h_out))
+
+    results: list[Result] = []
+    named = False
+    whole = not any(k in kinds for k in ("attention", "ffn"))
+    a_limit = _limit(attn_base.value, opts, allowance)
+    f_limit = _limit(ffn_base.value, opts, allowance)
+    a_stats = {"error": attn_err.value, "baseline": attn_base.value, "limit": a_limit,
+               "ratio": _ratio(attn_err.value, attn_base.value)}
+    attn_bad = not attn_err.value <= a_limit
+    # --- indexer agreement (reported whatever the attention says)
+    if n_ov:
+        overlap = ov / n_ov
+        st = {"mean_overlap": overlap, "positions": n_ov, "limit": opts.indexer_min_overlap}
+        if overlap < opts.indexer_min_overlap:
+            results.append(failed("layers.indexer", "indexer",
+                                  f"layer {i}: indexer top-k overlaps the reference's by {overlap:.1%} "
+                                  f"(limit {opts.indexer_min_overlap:.0%}) on the engine's own input",
+                                  layer=i, stats=st))
+        else:
+            results.append(passed("layers.indexer", "indexer", f"layer {i}: indexer top-k overlap {overlap:.1%}",
+                                  layer=i, stats=st))
+    if whole:
+        what = "layer output (the engine exposes no attention / FFN outputs)"
+        if attn_bad:
+            comp, how = _match(hyp_inputs, rep, a_limit, _hypotheses_attention(cfg), "hidden")
+            results.append(failed("layers.replay", comp or "output",
+                                  f"layer {i}: {what} differs from the reference replayed on the engine's input: "
+                                  f"error {attn_err.value:.3g} > limit {a_limit:.3g}" + (f"; matches {how}" if how else ""),
+                                  layer=i, stats=a_stats, worst=attn_err.worst()))
+            named = True
+        rep.close()
+        return results, named
+    if attn_bad:
+        comp, how = _match(hyp_inputs, rep, a_limit, _hypotheses_attention(cfg), "attn_out")
+        indexer_bad = any(r.check == "layers.indexer" and r.status.value == "FAIL" for r in results)
+        if comp is None:
+            comp = "indexer" if indexer_bad else "attention"
+        msg = (f"layer {i}: attention output differs from the reference replayed on the engine's own input: "
+               f"error {attn_err.value:.3g} > limit {a_limit:.3g} (baseline {attn_base.value:.3g})")
+        if how:
+            msg += f"; it matches the reference with {how}"
+        results.append(failed("layers.attention", comp, msg, layer=i, stats=a_stats, worst=attn_err.worst()))
+        named = True
+    else:
+        results.append(passed("layers.attention", "attention",
+                              f"layer {i}: attention within baseline on replay (error {attn_err.value:.3g}, "
+                              f"limit {a_limit:.3g})", layer=i, stats=a_stats))
+    f_stats = {"error": ffn_err.value, "baseline": ffn_base.value, "limit": f_limit,
+               "ratio": _ratio(ffn_err.value, ffn_base.value)}
+    block = "moe-experts" if moe_layer else "ffn"
+    ffn_bad = not ffn_err.value <= f_limit
+    if moe_layer and n_jac:
+        mean_jac = jac / n_jac
+        st = {"mean_jaccard": mean_jac, "positions": n_jac, "limit": opts.router_min_jaccard}
+        if mean_jac < opts.router_min_jaccard:
+            results.append(failed("layers.router", "moe-router",
+                                  f"layer {i}: selected experts agree with the reference by Jaccard {mean_jac:.2f} "
+                                  f"(limit {opts.router_min_jaccard}) on the engine's own FFN input", layer=i, stats=st))
+            named = True
+            ffn_bad = False  # the router explains the FFN difference
+        else:
+            results.append(passed("layers.router", "moe-router",
+                                  f"layer {i}: selected experts agree (Jaccard {mean_jac:.3f})", layer=i, stats=st))
+    if ffn_bad:
+        comp, how = None, None
+        if moe_layer and fit_den > 0:
+            alpha = fit_num / fit_den
+            worst_fit = 0.0
+            for _n, tt, r in cases:
+                worst_fit = max(worst_fit, float(rel_errors(tt, alpha * r).max()) if len(r) else 0.0)
+            if abs(alpha - 1) > opts.scale_fit_tolerance and worst_fit <= f_limit:
+                comp = "moe-router"
+                how = (f"routed experts' output scaled by {alpha:.4g} (routed_scaling_factor "
+                       f"{cfg.expert_weights_scale:g} applied {'twice' if abs(alpha - cfg.expert_weights_scale) < 1e-2 else 'never' if abs(alpha - 1 / cfg.expert_weights_scale) < 1e-2 else 'wrongly'}?)")
+                f_stats["routed_scale_fit"] = alpha
+        if comp is None:
+            comp, how = _match_ffn(hyp_inputs, rep, f_limit, _hypotheses_ffn(cfg, moe_layer))
+        comp = comp or block
+        msg = (f"layer {i}: {'MoE' if moe_layer else 'FFN'} output differs from the reference replayed on the "
+               f"engine's own post-attention residual: error {ffn_err.value:.3g} > limit {f_limit:.3g} "
+               f"(baseline {ffn_base.value:.3g})")
+        if how:
+            msg += f"; it matches {how}"
+        results.append(failed("layers.ffn", comp, msg, layer=i, stats=f_stats, worst=ffn_err.worst()))
+        named = True
+    else:
+        results.append(passed("layers.ffn", block, f"layer {i}: {block} within baseline on replay "
+                                                   f"(error {ffn_err.value:.3g}, limit {f_limit:.3g})",
+                              layer=i, stats=f_stats))
+    rep.close()
+    return results, named
+
+
+def _match(hyp_inputs, rep: _Replayer, limit: float, hypotheses, field_name: str):
+    """The first hypothesis under which the reference block equals the engine's (within limit)."""
+    for comp, how, changes, weights in hypotheses:
+        cfg = rep.ref.cfg.with_options(**changes) if changes else rep.ref.cfg
+        worst = 0.0
+        for _n, h_in, shared, a_eng, f_eng, h64, h_out in hyp_inputs:
+            try:
+                alt = rep.attention(h_in, shared, cfg=cfg, weights=weights)
+            except (RuntimeError, ValueError, KeyError):  # a hypothesis that cannot run is not a match
+                worst = math.inf
+                break
+            got, want = (h_out, alt.hidden) if field_name == "hidden" else (a_eng, alt.attn_out)
+            keep = None if alt.topk_ties is None else ~alt.topk_ties.cpu()
+            errs = rel_errors(got, want)
+            if keep is not None:
+                errs = errs[keep]
+            worst = max(worst, float(errs.max()) if errs.numel() else 0.0)
+        if worst <= limit:
+            return comp, how
+    return None, None
+
+
+def _match_ffn(hyp_inputs, rep: _Replayer, limit: float, hypotheses):
+    for comp, how, changes, weights in hypotheses:
+        cfg = rep.ref.cfg.with_options(**changes) if changes else rep.ref.cfg
+        worst = 0.0
+        for _n, h_in, shared, a_eng, f_eng, h64, h_out in hyp_inputs:
+            if a_eng is None or f_eng is None:
+                worst = math.inf
+                break
+            alt = rep.ffn(h64 + a_eng, cfg=cfg, weights=weights)[0]
+            worst = max(worst, float(rel_errors(f_eng, alt).max()))
+        if worst <= limit:
+            return comp, how
+    return None, None
