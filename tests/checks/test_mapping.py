@@ -232,3 +232,11 @@ def test_nextn_tensors_without_the_key_get_a_hint(glm_dsa_with_nextn, tmp_path):
         f"blk.3.nextn.{t}.weight" for t in
         ("eh_proj", "enorm", "hnorm", "embed_tokens", "shared_head_head", "shared_head_norm")}
     assert all("nextn_predict_layers = 0" in f.message for f in failures)
+
+
+def test_swapped_k_b_v_b_are_shape_mismatches(tiny_converted, tmp_path):
+    """k_b [H, L, P] and v_b [H, V, L] differ in shape unless P = V = L: the swap is named."""
+    path = filefaults.swap_kb_vb(tiny_converted("glm-dsa", "f16").gguf_path, tmp_path / "s.gguf", layer=1)
+    failures = _failures(_results(path))
+    assert {(f.check, f.tensor) for f in failures} == {
+        ("mapping.shape", "blk.1.attn_k_b.weight"), ("mapping.shape", "blk.1.attn_v_b.weight")}
