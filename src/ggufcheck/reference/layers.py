@@ -115,8 +115,7 @@ def attention(
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x [.., in] @ W[out, in].T (+ b): the GGUF [out, in] layout is torch's Linear layout."""
-    y = x @ weight.T
-    return y + bias if bias is not None else y
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 def swiglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:

@@ -71,11 +71,21 @@ class ReferenceModel:
         self.weights = WeightStore(self.gguf, self.dtype, self.device, self.streaming)
         self.family = importlib.import_module(f"ggufcheck.reference.{self.cfg.family}")
         freq_factors = self.weights.global_tensor("rope_freqs.weight") if self.cfg.has_rope_freqs else None
+        self._fingerprint: dict[str, Any] | None = None
         self.inv_freq = rope_inv_freq(self.cfg.n_rot, self.cfg.rope_base, self.cfg.yarn, freq_factors)
 
     @property
     def path(self) -> Path:
         return Path(self.gguf.path)
+
+    @property
+    def fingerprint(self) -> dict[str, Any]:
+        """The model file's identity for traces (computed once; see trace.model_fingerprint)."""
+        if self._fingerprint is None:
+            from ggufcheck.reference.trace import model_fingerprint
+
+            self._fingerprint = model_fingerprint(self.gguf)
+        return self._fingerprint
 
     # -- pieces ----------------------------------------------------------------------
     def embed(self, tokens: list[int]) -> Tensor:

@@ -82,7 +82,7 @@ class Trace:
             "format": TRACE_FORMAT,
             "ggufcheck_version": __version__,
             "model_path": str(ref.path),
-            "model_fingerprint": model_fingerprint(ref.gguf),
+            "model_fingerprint": ref.fingerprint,
             "architecture": cfg.arch,
             "n_layer": cfg.n_layer,
             "device": str(ref.device),

@@ -37,6 +37,7 @@ class WeightStore:
         self.streaming = streaming
         self._layers: dict[int, dict[str, Tensor]] = {}
         self._globals: dict[str, Tensor] = {}
+        self._head: list[tuple[int, Tensor]] | None = None  # resident mode: chunks kept
         self._layer_names: dict[int, list[str]] = {}
         for name in model.tensors:
             if name.startswith("blk."):
@@ -90,9 +91,17 @@ class WeightStore:
         return torch.stack([rows[t] for t in tokens])
 
     def head_chunks(self, chunk_rows: int) -> Iterator[tuple[int, Tensor]]:
-        """The output head (or tied token_embd) as (first row, [rows, D]) chunks."""
+        """The output head (or tied token_embd) as (first row, [rows, D]) chunks; kept once
+        read unless streaming."""
+        if self._head is not None:
+            yield from self._head
+            return
         name = "output.weight" if self.has("output.weight") else "token_embd.weight"
         info = self.model.tensors[name]
+        if not self.streaming:
+            self._head = [(0, self.tensor(name))]
+            yield from self._head
+            return
         for start in range(0, info.n_rows, chunk_rows):
             yield start, self.tensor(name, rows=slice(start, min(start + chunk_rows, info.n_rows)))
             if self.streaming:
