@@ -9,12 +9,14 @@ replace the internals without touching any caller (gguf-py stays the tests' orac
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import gguf
 import numpy as np
 
 from ggufcheck.errors import Unavailable
+from ggufcheck.gguf import quants
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -28,8 +30,30 @@ _PLAIN_TYPES = {Q.I8: np.int8, Q.I16: np.int16, Q.I32: np.int32, Q.I64: np.int64
 
 
 def dequantize(raw: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
-    """Raw uint8 blocks ``(..., row_bytes)`` -> float32 values ``(..., row_elements)``."""
+    """Raw uint8 blocks ``(..., row_bytes)`` -> float32 values ``(..., row_elements)``.
+
+    Runs ggufcheck's bit-exact numba kernels (``ggufcheck.gguf.quants``); gguf-py when a type
+    has none, numba is missing, or ``GGUFCHECK_DEQUANT=gguf-py`` is set (``quants.cpu_path``
+    says which path a type takes).
+    """
+    if _use_fast_path(qtype):
+        return quants.dequantize(np.ascontiguousarray(raw), qtype)
     return dequantize_gguf_py(raw, qtype)
+
+
+def dequantize_into(raw: np.ndarray, qtype: gguf.GGMLQuantizationType, out: np.ndarray) -> np.ndarray:
+    """Like :func:`dequantize` but fills ``out`` (C-contiguous float32, matching size); returns it.
+
+    For scanning big tensors in row chunks into one reused buffer.
+    """
+    if _use_fast_path(qtype):
+        return quants.dequantize_into(np.ascontiguousarray(raw), qtype, out)
+    out.reshape(-1)[:] = dequantize_gguf_py(raw, qtype).reshape(-1)
+    return out
+
+
+def _use_fast_path(qtype: gguf.GGMLQuantizationType) -> bool:
+    return os.environ.get(quants.FORCE_ENV, "") != "gguf-py" and (qtype in quants.KERNELS or qtype == Q.F32)
 
 
 def dequantize_gguf_py(raw: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
@@ -63,16 +87,26 @@ def dequantize_tensor(
     import torch
 
     info = model.tensors[name]
+    if str(device) != "cpu" and _use_fast_path(info.qtype) and info.qtype != Q.F32:
+        # bytes go to the device; Triton kernels dequantize there (CPU + copy for other types)
+        raw = model.raw(name) if rows is None else model.raw_rows(name, *_row_range(rows, info.n_rows))
+        shape = info.shape if rows is None else raw.shape[:-1] + (info.row_elements,)
+        on_device = torch.from_numpy(np.array(raw)).to(device)  # (..., row_bytes) uint8
+        return quants.dequantize_torch(on_device, info.qtype, dtype or torch.float32).reshape(shape)
     if rows is None:
         values = dequantize(model.raw(name), info.qtype).reshape(info.shape)
     else:
-        start, stop, step = rows.indices(info.n_rows)
-        if step != 1:
-            raise ValueError("row slices must be contiguous (step 1)")
-        values = dequantize(model.raw_rows(name, start, max(start, stop)), info.qtype)
+        values = dequantize(model.raw_rows(name, *_row_range(rows, info.n_rows)), info.qtype)
     if not values.flags.writeable:  # F32 data is a view of the read-only map: copy it
         values = values.copy()
     out = torch.from_numpy(np.ascontiguousarray(values))
     if dtype is not None and dtype != torch.float32:
         out = out.to(dtype)
     return out.to(device) if str(device) != "cpu" else out
+
+
+def _row_range(rows: slice, n_rows: int) -> tuple[int, int]:
+    start, stop, step = rows.indices(n_rows)
+    if step != 1:
+        raise ValueError("row slices must be contiguous (step 1)")
+    return start, max(start, stop)
