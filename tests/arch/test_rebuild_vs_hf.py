@@ -67,21 +67,25 @@ def test_f32_rebuild_equals_hf_exactly(tiny_converted, arch):
         assert torch.equal(rebuilt[name], ref.float()), name
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_f16_rebuild_equals_hf_rounded(tiny_converted, arch):
-    tiny = tiny_converted(arch, "f16")
+ROUNDED = {Q.F16: torch.float16, Q.BF16: torch.bfloat16}
+
+
+@pytest.mark.parametrize("arch,outtype", [(a, "f16") for a in ARCHS] + [("glm-dsa", "bf16")])
+def test_f16_rebuild_equals_hf_rounded(tiny_converted, arch, outtype):
+    tiny = tiny_converted(arch, outtype)
     model, spec, table, rebuilt = _rebuilt(tiny)
     hf = _load_hf(tiny)
     assert set(rebuilt) == set(hf)
     assert _used_gguf_names(model, spec, table) == set(model.tensors)
     types = _input_types(model, spec, table)
-    n_f16 = 0
+    n_rounded = 0
     for name, ref in hf.items():
         (qtype,) = types[name]  # one type per HF parameter (k_b and v_b agree)
-        expected = ref.float() if qtype == Q.F32 else ref.half().float()
-        n_f16 += qtype == Q.F16
+        assert qtype in (Q.F32, *ROUNDED), (name, qtype.name)
+        expected = ref.float() if qtype == Q.F32 else ref.to(ROUNDED[qtype]).float()
+        n_rounded += qtype in ROUNDED
         assert torch.equal(rebuilt[name], expected), (name, qtype.name)
-    assert n_f16 > len(hf) // 3  # the file really is mostly f16
+    assert n_rounded > len(hf) // 3  # the file really is mostly f16 / bf16
 
 
 @pytest.mark.parametrize("arch", ARCHS)
