@@ -87,6 +87,7 @@ class PositionMetrics:
     eng_argmax: np.ndarray
     full_vocab: bool = True
     sequences: list[np.ndarray] = field(default_factory=list)
+    ambiguous: int = 0  # rows left out: the reference's expected distribution is ambiguous
 
     @property
     def n(self) -> int:
@@ -97,7 +98,9 @@ def compare_tables(reference: TokenLogprobs, engine: TokenLogprobs) -> dict[str,
     """Per-row metrics for one sequence at rows both sides report. Keys as PositionMetrics."""
     if not np.array_equal(reference.tokens, engine.tokens):
         raise ValueError("reference and engine scored different token sequences")
-    rows = np.flatnonzero(reference.present & engine.present)  # [N]
+    shared = reference.present & engine.present
+    ambiguous = np.zeros_like(shared) if reference.ambiguous is None else (reference.ambiguous & shared)
+    rows = np.flatnonzero(shared & ~ambiguous)  # [N]: ambiguous rows are counted, not judged
     if reference.full and engine.full:
         lr = reference.logprobs[rows].astype(np.float64)  # [N, V]
         le = engine.logprobs[rows].astype(np.float64)
@@ -112,7 +115,7 @@ def compare_tables(reference: TokenLogprobs, engine: TokenLogprobs) -> dict[str,
     return {
         "kl": kl, "nmse": nmse, "delta_p": observed, "position": rows,
         "ref_argmax": reference.argmax()[rows], "eng_argmax": engine.argmax()[rows],
-        "full_vocab": np.array(full),
+        "full_vocab": np.array(full), "ambiguous": np.array(int(ambiguous.sum())),
     }
 
 
@@ -152,6 +155,7 @@ def collect(pairs: Sequence[tuple[TokenLogprobs, TokenLogprobs]]) -> PositionMet
         kl=cat("kl"), agree=ref_argmax == eng_argmax, delta_p=cat("delta_p"), nmse=cat("nmse"),
         sequence=seq, position=cat("position"), ref_argmax=ref_argmax, eng_argmax=eng_argmax,
         full_vocab=all(bool(p["full_vocab"]) for p in parts), sequences=[r.tokens for r, _ in pairs],
+        ambiguous=sum(int(p["ambiguous"]) for p in parts),
     )
 
 
@@ -234,6 +238,8 @@ def judge(metrics: PositionMetrics, baseline: Baseline, tolerance: LogitToleranc
     m = tolerance.multiple
     kl = distribution(metrics.kl)
     method = "full vocabulary" if metrics.full_vocab else "top-k + tail bucket (a lower bound on the full KL)"
+    if metrics.ambiguous:
+        method += f"; {metrics.ambiguous} position(s) with an indexer top-k tie left out"
     worst = {"positions": worst_positions(metrics, detokenize)}
     base_note = f"baseline ({baseline.source})"
     results: list[Result] = []
@@ -243,7 +249,8 @@ def judge(metrics: PositionMetrics, baseline: Baseline, tolerance: LogitToleranc
         "logits.kl_mean", component, kl["mean"] <= limit,
         f"mean KL(ref||engine) {kl['mean']:.3g} nats over {kl['n']} positions ({method}); "
         f"{base_note} {baseline.kl_mean:.3g}, limit {limit:.3g}",
-        stats={"kl": kl, "baseline": baseline.kl_mean, "limit": limit, "method": method}, worst=worst))
+        stats={"kl": kl, "baseline": baseline.kl_mean, "limit": limit, "method": method,
+               "ambiguous_positions": metrics.ambiguous}, worst=worst))
 
     limit99 = m * baseline.kl_p99 + tolerance.kl_p99_floor
     results.append(_verdict(

@@ -76,6 +76,9 @@ class TokenLogprobs:
     topk_logprobs: np.ndarray | None = None  # [T, K] float64
     next_logprob: np.ndarray | None = None  # [T]: log p(tokens[t+1]) at row t; NaN if unknown
     present: np.ndarray | None = None  # [T] bool: rows the engine reported
+    # [T] bool, reference only: rows whose expected distribution is ambiguous (a DSA indexer
+    # tie at the top-k boundary: a correct engine may select another key set there)
+    ambiguous: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         tokens = np.asarray(self.tokens, dtype=np.int64).reshape(-1)
@@ -142,7 +145,7 @@ class TokenLogprobs:
         present[start:stop] = self.present[start:stop]
         return TokenLogprobs(
             self.tokens, self.vocab_size, self.logprobs, self.topk_ids, self.topk_logprobs,
-            np.where(present, self.next_logprob, np.nan), present,
+            np.where(present, self.next_logprob, np.nan), present, self.ambiguous,
         )
 
 

@@ -65,10 +65,19 @@ class ReferenceEngine(Engine):
         return TokenLogprobs(tokens, self.vocab_size, logp)
 
     def score(self, tokens: Sequence[int], *, top_k: int = 20) -> TokenLogprobs:
+        """Prefill log-probs; with a DSA indexer, rows where any layer's top-k has a boundary tie
+        are marked ambiguous (an engine may legitimately choose the other key there)."""
         tokens = [int(t) for t in tokens]
         with self._torch.no_grad():
-            logits = self.model.prefill(tokens, trace=False)  # [T, V]
-        return self._table(tokens, logits)
+            if not self.model.cfg.has_indexer:
+                return self._table(tokens, self.model.prefill(tokens, trace=False))  # [T, V]
+            trace = self.model.prefill(tokens, trace=True)
+        ties = np.zeros(len(tokens), dtype=bool)
+        for layer in trace.layers:
+            if layer.topk_ties is not None:
+                ties |= layer.topk_ties.cpu().numpy().astype(bool)
+        return TokenLogprobs(tokens, self.vocab_size, trace.logprobs.to(self._torch.float64).cpu().numpy(),
+                             ambiguous=ties)
 
     def score_chunked(self, tokens: Sequence[int], chunk_size: int, *, top_k: int = 20) -> TokenLogprobs:
         from ggufcheck.reference.cache import KVCache
