@@ -57,10 +57,11 @@ def run(args: argparse.Namespace) -> int:
     stage = run_environment_stage(EnvOptions(target=ProbeTarget(options.python, options.device),
                                              scan_extensions=options.scan,
                                              cuobjdump_budget_s=options.cuobjdump_budget))
+    if options.json:  # first: a report that fails to render must not lose the results
+        write_json(options.json, report_json("env", [stage], python=options.python,
+                                             device=options.device))
     render_stage(console, stage, verbose=options.verbose)
     render_totals(console, [stage])
     if options.json:
-        write_json(options.json, report_json("env", [stage], python=options.python,
-                                             device=options.device))
         console.print(f"JSON report: {options.json}")
     return int(ExitStatus.FINDINGS if stage.failures else ExitStatus.HEALTHY)

@@ -65,6 +65,10 @@ def run(args: argparse.Namespace) -> int:
     stage = run_kernel_stage(KernelOptions(target=ProbeTarget(options.python, options.device),
                                            model=options.model, only=options.only,
                                            case_timeout_s=options.case_timeout))
+    if options.json:  # first: a report that fails to render must not lose the results
+        write_json(options.json, report_json("kernels", [stage], python=options.python,
+                                             device=options.device,
+                                             model=str(options.model) if options.model else None))
     for key, note in (stage.info.get("data") or {}).items():
         console.print(f"[dim]data {key}: {note}[/]")
     if options.verbose:
@@ -73,9 +77,6 @@ def run(args: argparse.Namespace) -> int:
         render_compact(console, stage)
     render_totals(console, [stage])
     if options.json:
-        write_json(options.json, report_json("kernels", [stage], python=options.python,
-                                             device=options.device,
-                                             model=str(options.model) if options.model else None))
         console.print(f"JSON report: {options.json}")
     return int(ExitStatus.FINDINGS if stage.failures else ExitStatus.HEALTHY)
 
@@ -95,7 +96,8 @@ def render_compact(console: Console, stage: StageReport) -> None:
     for check, results in by_kind.items():
         passes = [r for r in results if r.status == Status.PASS]
         if passes:
-            rated = [r for r in passes if "rel_l2" in r.stats and "tol" in r.stats]
+            rated = [r for r in passes if isinstance(r.stats.get("rel_l2"), float)
+                     and isinstance(r.stats.get("tol"), float)]  # JSON turns NaN into "nan"
             worst = max(rated, key=lambda r: r.stats["rel_l2"] / max(r.stats["tol"], 1e-300), default=None)
             note = (f"; closest to its tolerance: {worst.message.split(' | ')[0]} "
                     f"(rel err {worst.stats['rel_l2']:.3g}, tol {worst.stats['tol']:.3g})") if worst else ""
