@@ -81,7 +81,9 @@ def test_unknown_arch_and_outtype_are_clear_errors(tmp_path):
 
 def _llama_cpp_logprobs(path, tokens):
     llama_cpp = pytest.importorskip("llama_cpp")
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=1)
+    # F32 KV cache (GGML_TYPE_F32 = 0): the default F16 cache alone moves logits by ~1e-3
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=1,
+                          type_k=0, type_v=0)
     llm.eval(tokens)
     logits = np.array(llm.scores[:len(tokens)], dtype=np.float64)
     llm.close()
@@ -111,7 +113,11 @@ def test_llama_cpp_agrees_with_transformers(tiny_converted, arch):
     theirs = _transformers_logprobs(m.hf_dir, tokens)
     diff = np.abs(ours - theirs).max()
     spread = np.abs(theirs[1:] - theirs[:-1]).max()  # how much positions differ at all
-    assert diff < 2e-3, f"{arch}: max |dlogprob| {diff:.2e}"
+    # Measured (F32 KV cache): ~4e-7 for all but glm-dsa, 1.1e-4 there: transformers'
+    # GlmMoeDsa hard-codes eps 1e-6 in q_a/kv_a_layernorm, llama.cpp uses the file's
+    # rms eps (1e-5); with rms_norm_eps=1e-6 in the config the two agree to 3e-7.
+    tolerance = 5e-4 if arch == "glm-dsa" else 2e-5
+    assert diff < tolerance, f"{arch}: max |dlogprob| {diff:.2e}"
     assert spread > 50 * diff  # the agreement is not a flat output agreeing with itself
     if arch == "deepseek2-yarn":  # same weights as deepseek2: YaRN must be what makes it agree
         plain = _transformers_logprobs(tiny_converted("deepseek2", "f32").hf_dir, tokens)

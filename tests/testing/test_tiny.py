@@ -153,6 +153,26 @@ def test_indexer_types_shared_layers_have_no_indexer(tiny_gguf):
         assert (f"blk.{i}.indexer.k_norm.bias" in names) == full
 
 
+def test_kv_b_layouts(tiny_gguf):
+    fused = tiny_gguf("deepseek2", kv_b="fused")
+    both = tiny_gguf("deepseek2", kv_b="both")
+    rf, rb = gguf.GGUFReader(fused.path), gguf.GGUFReader(both.path)
+    nf, nb = set(_shapes(rf)), set(_shapes(rb))
+    assert "blk.0.attn_kv_b.weight" in nf and "blk.0.attn_k_b.weight" not in nf
+    assert {"blk.0.attn_kv_b.weight", "blk.0.attn_k_b.weight", "blk.0.attn_v_b.weight"} <= nb
+    assert _shapes(rf)["blk.0.attn_kv_b.weight"] == (4 * (16 + 48), 32)  # [H*(P+Vd), L]
+    assert "deepseek2.attention.key_length_mla" not in rf.fields  # legacy: the MHA view
+    assert rf.fields["deepseek2.attention.head_count_kv"].contents() == 4
+    assert rf.fields["deepseek2.attention.key_length"].contents() == 16 + 8
+    data = {t.name: np.asarray(t.data) for t in rb.tensors}
+    H, P, Vd, L = 4, 16, 48, 32
+    kv_b = data["blk.1.attn_kv_b.weight"].reshape(H, P + Vd, L)  # per head: P K rows, Vd V rows
+    np.testing.assert_array_equal(kv_b[:, :P].transpose(0, 2, 1), data["blk.1.attn_k_b.weight"].reshape(H, L, P))
+    np.testing.assert_array_equal(kv_b[:, P:], data["blk.1.attn_v_b.weight"].reshape(H, Vd, L))
+    fused_kv_b = next(np.asarray(t.data) for t in rf.tensors if t.name == "blk.1.attn_kv_b.weight")
+    np.testing.assert_array_equal(fused_kv_b, data["blk.1.attn_kv_b.weight"])  # same model
+
+
 def test_split_files_as_gguf_split_writes_them(tiny_gguf, tiny_split):
     whole = tiny_gguf("deepseek2", qtypes="Q8_0")
     split = tiny_split("deepseek2", 3, qtypes="Q8_0")
@@ -190,7 +210,8 @@ def test_project_reader_accepts_split(tiny_split):
 
 def _llama_eval(path, text=b"the quick brown fox jumps over the lazy dog again and again"):
     llama_cpp = pytest.importorskip("llama_cpp")
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, logits_all=True, verbose=False, n_threads=1)
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, logits_all=True, verbose=False, n_threads=1,
+                          type_k=0, type_v=0)  # F32 KV cache: the F16 default moves logits ~1e-3
     tokens = llm.tokenize(text)
     llm.eval(tokens)
     logits = np.array(llm.scores[:len(tokens)])
@@ -202,7 +223,10 @@ def _llama_eval(path, text=b"the quick brown fox jumps over the lazy dog again a
 @pytest.mark.parametrize("arch,kwargs", [
     ("llama", {}), ("deepseek2", {"qtypes": "Q8_0"}), ("deepseek2", {"yarn_factor": 4.0}),
     ("glm-dsa", {"n_nextn": 1, "indexer_types": (True, False, True)}), ("glm4moe", {}),
-    ("qwen2", {}), ("qwen3", {}),
+    ("qwen2", {}), ("qwen3", {}), ("llama", {"tied_output": True}),
+    ("deepseek2", {"kv_b": "fused"}),
+    # (q_lora_rank=0, V2-Lite style, is not loadable: llama.cpp requires q_lora_rank unless
+    # the model has V2-Lite's layer count, 26/27, or 48 with a 128256 vocabulary)
 ])
 def test_llama_cpp_loads_and_evaluates(tiny_gguf, arch, kwargs):
     m = tiny_gguf(arch, **kwargs)
@@ -210,6 +234,16 @@ def test_llama_cpp_loads_and_evaluates(tiny_gguf, arch, kwargs):
     assert len(tokens) > 8  # longer than glm-dsa's top_k: the indexer selects
     assert logits.shape == (len(tokens), m.dims.n_vocab) and np.isfinite(logits).all()
     assert np.abs(logits[1] - logits[-1]).max() > 1e-3  # the output depends on the input
+
+
+@pytest.mark.llama
+def test_llama_cpp_split_and_fused_kv_b_are_the_same_model(tiny_gguf):
+    """llama.cpp's MLA path (attn_k_b / attn_v_b) and its legacy MHA path (attn_kv_b) on
+    files of one seed: our fused kv_b means what llama.cpp's split tensors mean."""
+    _, split = _llama_eval(tiny_gguf("deepseek2").path)
+    _, fused = _llama_eval(tiny_gguf("deepseek2", kv_b="fused").path)
+    assert np.abs(split - fused).max() < 1e-4 * np.abs(split).max()
+    assert np.abs(split[1:] - split[:-1]).max() > 0.1
 
 
 @pytest.mark.llama

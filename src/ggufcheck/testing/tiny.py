@@ -70,6 +70,10 @@ class TinyDims:
     qk_nope: int = 0  # P
     qk_rope: int = 0  # R
     v_head_dim: int = 0  # Vd
+    # "split": attn_k_b + attn_v_b (today's converter); "fused": legacy attn_kv_b only
+    # (old deepseek2 files: MHA metadata, no *_mla keys); "both": split and fused present,
+    # consistent (a mapping check must flag it; llama.cpp refuses fused glm-dsa files)
+    kv_b: str = "split"
     # YaRN (deepseek2)
     yarn_factor: float = 0.0  # 0 = no YaRN
     yarn_orig_ctx: int = 128
@@ -181,10 +185,15 @@ def _mla_attention(d: TinyDims) -> dict[str, tuple[int, ...]]:
     t.update({
         "attn_kv_a_mqa.weight": (L + R, D),  # [latent L ; k_pe R]
         "attn_kv_a_norm.weight": (L,),
-        "attn_k_b.weight": (H, L, P),  # kv_b's K rows per head, transposed
-        "attn_v_b.weight": (H, Vd, L),  # kv_b's V rows per head
-        "attn_output.weight": (D, H * Vd),
     })
+    if d.kv_b in ("fused", "both"):
+        t["attn_kv_b.weight"] = (H * (P + Vd), L)  # HF kv_b_proj: per head P K rows, Vd V rows
+    if d.kv_b in ("split", "both"):
+        t["attn_k_b.weight"] = (H, L, P)  # kv_b's K rows per head, transposed
+        t["attn_v_b.weight"] = (H, Vd, L)  # kv_b's V rows per head
+    if d.kv_b not in ("split", "fused", "both"):
+        raise GGUFCheckError(f"kv_b must be split, fused or both, got {d.kv_b!r}")
+    t["attn_output.weight"] = (D, H * Vd)
     return t
 
 
@@ -253,7 +262,16 @@ def metadata(d: TinyDims, file_type: int | None = None) -> dict[str, tuple[Any, 
         kv[f"{a}.vocab_size"] = (d.n_vocab, T.UINT32)
     if a in ("llama", "glm4moe", *_MLA_ARCHS):
         kv[f"{a}.rope.dimension_count"] = (d.rot, T.UINT32)
-    if a in _MLA_ARCHS:  # MLA, written as MQA with one big kv head + the *_mla keys
+    if a in _MLA_ARCHS and d.kv_b == "fused":  # legacy files: the MHA view, no *_mla keys
+        kv.update({
+            f"{a}.attention.head_count_kv": (d.n_head, T.UINT32),
+            f"{a}.attention.key_length": (d.qk_nope + d.qk_rope, T.UINT32),
+            f"{a}.attention.value_length": (d.v_head_dim, T.UINT32),
+            f"{a}.attention.kv_lora_rank": (d.kv_lora_rank, T.UINT32),
+        })
+        if d.q_lora_rank:
+            kv[f"{a}.attention.q_lora_rank"] = (d.q_lora_rank, T.UINT32)
+    elif a in _MLA_ARCHS:  # MLA, written as MQA with one big kv head + the *_mla keys
         kv.update({
             f"{a}.attention.head_count_kv": (1, T.UINT32),
             f"{a}.attention.key_length": (d.kv_lora_rank + d.qk_rope, T.UINT32),
@@ -367,19 +385,30 @@ def random_weights(d: TinyDims, seed: int = 0) -> dict[str, np.ndarray]:
     Matrices ~ N(0, 1/in_features) so activations stay O(1); norm weights 1 + 0.1 N(0,1);
     biases and the router's ``exp_probs_b`` 0.1 N(0,1) (nonzero, so mistakes show).
     Each tensor has its own generator, so adding or removing one changes no other.
+    A fused attn_kv_b (``kv_b="fused"`` or ``"both"``) is built from the attn_k_b / attn_v_b
+    of the same seed (``cat([k_b.transpose(0, 2, 1), v_b], 1).reshape(H*(P+Vd), L)``): split
+    and fused files of one seed are the same model.
     """
+    wanted = tensor_shapes(d)
+    generate = tensor_shapes(dataclasses.replace(d, kv_b="both")) if d.kv_b == "fused" else wanted
     out = {}
-    for name, shape in tensor_shapes(d).items():
+    for name, shape in generate.items():
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
         x = rng.standard_normal(shape, dtype=np.float32)
         if name.endswith(".bias"):
             x *= 0.1
         elif len(shape) == 1:
             x = 1.0 + 0.1 * x
-        else:
-            x *= np.float32(1.0 / np.sqrt(shape[-1]))
+        else:  # the contracted (input) dim is the last one, except k_b [H, L, P]: L
+            fan_in = shape[1] if name.endswith("attn_k_b.weight") else shape[-1]
+            x *= np.float32(1.0 / np.sqrt(fan_in))
         out[name] = x
-    return out
+    for name in list(out):
+        if name.endswith("attn_kv_b.weight") and name.replace("kv_b", "k_b") in out:
+            k_b, v_b = out[name.replace("kv_b", "k_b")], out[name.replace("kv_b", "v_b")]
+            kv = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)  # [H, P+Vd, L]
+            out[name] = np.ascontiguousarray(kv.reshape(-1, kv.shape[-1]))  # [H*(P+Vd), L]
+    return {name: out[name] for name in wanted}
 
 
 def resolve_qtypes(names_shapes: dict[str, tuple[int, ...]],
