@@ -4,7 +4,8 @@
   to Q8_1 for Q4_1 dot products, so agreement is statistical (measured on this machine:
   argmax 95%, mean KL 4e-3). The same model with its weights dequantized to F32 removes
   that step: then the two agree to ~1e-5 (measured max |d log p| 5.7e-5, KL 7e-12).
-- Tiny deepseek2 (plain and YaRN) and glm-dsa converted files, F32 KV cache: ~1e-7.
+- Every tiny converted file (llama, llama-3 rope_freqs, qwen2/3, glm4moe, deepseek2 plain and
+  YaRN, glm-dsa), F32 KV cache: max |d log p| ~2e-7 over 40 positions.
   glm-dsa past top_k: positions agree except where the indexer's top-k boundary is an
   exact tie (ReLU zeros), which each implementation breaks its own way; the reference
   flags those (``topk_ties``) and every disagreement must be at a flagged position.
@@ -72,10 +73,11 @@ def test_smollm2_dequantized_f32_agrees_tightly(smollm2_f32, llama_cpp_run):
     assert diff < 1e-3 and kl.mean() < 1e-8
 
 
-@pytest.mark.parametrize("arch", ["deepseek2", "deepseek2-yarn", "glm-dsa"])
-def test_tiny_mla_models_agree(arch, tiny, llama_cpp_run, prompt):
+@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen3", "glm4moe", "deepseek2", "deepseek2-yarn",
+                                  "glm-dsa"])
+def test_tiny_models_agree(arch, tiny, llama_cpp_run, prompt):
     path = tiny(arch).gguf_path
-    tokens = prompt(7)  # shorter than glm-dsa's top_k (8): DSA == dense causal attention
+    tokens = prompt(7 if arch == "glm-dsa" else 40)  # glm-dsa: shorter than top_k (8), DSA == dense
     with ReferenceModel(path, dtype="fp64") as ref:
         ours = ref.prefill(tokens).logprobs
     assert (ours - llama_cpp_run(path, tokens)).abs().max() < 1e-5
