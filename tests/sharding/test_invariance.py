@@ -92,3 +92,25 @@ def test_every_rank_loading_shard0_fails_on_rank1(tiny_converted):
     for kind in KINDS["glm4moe"]:
         assert ran[kind].status is Status.FAIL, kind
         assert ran[kind].worst["ranks_with_wrong_partials"] == [1] and ran[kind].worst["rank"] == 1
+
+
+@pytest.mark.parametrize("budget", [30_000, 20_000])
+def test_moe_too_big_to_load_runs_on_the_routed_experts_only(tiny_converted, budget):
+    """A 256-expert layer does not fit in fp64: only the experts the router picks are read
+    (fewer tokens when needed); the check must still pass, and still catch a bad loader."""
+    path = tiny_converted("glm4moe").gguf_path
+    good = _tp_results(_run(path, 2, kinds=("moe",), max_layer_elements=budget))["moe"]
+    assert good.status is Status.PASS
+    bad = _tp_results(_run(path, 2, kinds=("moe",), max_layer_elements=budget,
+                           loader=faults.every_rank_gets_shard0))["moe"]
+    assert bad.status is Status.FAIL and bad.worst["rank"] == 1
+    with open_gguf(path) as m:
+        from ggufcheck.reference.config import config_from_gguf
+        from ggufcheck.sharding.invariance import InvarianceOptions, gguf_layer_weights, make_jobs
+        from ggufcheck.sharding.parallel import ExpertSubset
+
+        opts = InvarianceOptions(tp=2, kinds=("moe",), max_layer_elements=budget)
+        (job,) = make_jobs(config_from_gguf(m.metadata, m.tensors), gguf_layer_weights(m, max_elements=budget), opts)
+    experts = job.weights["ffn_down_exps.weight"]
+    assert isinstance(experts, ExpertSubset) and len(experts.experts) < experts.shape[0]
+    assert sum(t.numel() for t in job.weights.values()) <= budget

@@ -128,7 +128,7 @@ def run_sharding_stage(model: GGUFModel, opts: ShardOptions, **invariance_overri
     iopts = InvarianceOptions(tp=opts.tp, backend=backend, timeout_s=opts.timeout_s, tokens=opts.tokens,
                               seed=opts.seed, kinds=opts.kinds, **invariance_overrides)
     with torch.no_grad():
-        jobs = make_jobs(cfg, gguf_layer_weights(model), iopts)
+        jobs = make_jobs(cfg, gguf_layer_weights(model, max_elements=iopts.max_layer_elements), iopts)
         report.add(run_invariance(cfg, rules, jobs, iopts))
     return report
 

@@ -26,7 +26,7 @@ from ggufcheck.reference import dense, dsa
 from ggufcheck.reference import mla as ref_mla
 from ggufcheck.reference.cache import LayerCache
 from ggufcheck.reference.config import ReferenceConfig
-from ggufcheck.reference.layers import causal_mask, linear, moe_block, rms_norm, swiglu
+from ggufcheck.reference.layers import causal_mask, linear, moe_block, rms_norm, route, swiglu
 from ggufcheck.results import Result, errored, failed, passed, skipped
 from ggufcheck.sharding import collectives
 from ggufcheck.sharding.dist import DistOptions, LocalContext, RanksFailed, resolve_backend, run_ranks
@@ -92,11 +92,23 @@ def make_jobs(cfg: ReferenceConfig, layer_weights: Any, opts: InvarianceOptions)
                                  tensor=f"blk.{dense_layer}.ffn_down.weight"))
     if want("moe") and cfg.n_expert and cfg.n_dense_lead < cfg.n_layer:
         moe_layer = cfg.n_dense_lead
-        w = weights("moe", moe_layer, ("ffn_gate_inp", "exp_probs_b", "ffn_gate_exps", "ffn_up_exps",
-                                       "ffn_gate_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_up_shexp",
-                                       "ffn_down_shexp"))
+        try:
+            w = layer_weights(moe_layer, ("ffn_gate_inp", "exp_probs_b", "ffn_gate_exps", "ffn_up_exps",
+                                          "ffn_gate_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_up_shexp",
+                                          "ffn_down_shexp"))
+        except LayerTooLarge as err:  # too big whole: the router's choices for x decide what is read
+            w, x_moe = None, x
+            if hasattr(layer_weights, "experts"):
+                w, x_moe = _routed_expert_weights(cfg, layer_weights, moe_layer, x, opts.max_layer_elements)
+            if w is None:
+                why = f"{err}, and so do the experts routed for a single token" if hasattr(layer_weights, "experts") \
+                    else str(err)
+                opts.skipped.append(skipped("sharding.tp.moe", COMPONENT, f"not run: {why}", layer=moe_layer))
+        else:
+            x_moe = x
         if w is not None:
-            jobs.append(LayerJob("moe", moe_layer, w, {"x": x, "pos": pos}, tensor=f"blk.{moe_layer}.ffn_down_exps.weight"))
+            jobs.append(LayerJob("moe", moe_layer, w, {"x": x_moe, "pos": pos[: x_moe.shape[0]]},
+                                 tensor=f"blk.{moe_layer}.ffn_down_exps.weight"))
     if want("indexer") and cfg.has_indexer:
         w = weights("indexer", 0, ("indexer.", "attn_q_a", "rope_freqs"))
         if w is not None and "indexer.attn_k.weight" in w:
@@ -112,6 +124,30 @@ def make_jobs(cfg: ReferenceConfig, layer_weights: Any, opts: InvarianceOptions)
             (name,) = w
             jobs.append(LayerJob("lm_head", None, w, {"x": x, "pos": pos}, tensor=name))
     return jobs
+
+
+def _routed_expert_weights(cfg: ReferenceConfig, layer_weights: Any, layer: int, x: Tensor,
+                           budget: int) -> tuple[dict[str, Any] | None, Tensor]:
+    """A MoE layer's router and shared expert whole, routed experts only where ``x`` goes.
+
+    Uses the longest prefix of ``x`` whose chosen experts fit ``budget`` elements (at least
+    one token); returns (weights, that prefix), or (None, x) when one token is too many.
+    """
+    w: dict[str, Any] = layer_weights(layer, ("ffn_gate_inp", "exp_probs_b", "ffn_gate_shexp", "ffn_up_shexp",
+                                              "ffn_down_shexp"))
+    ids, _ = route(x, w["ffn_gate_inp.weight"], w.get("exp_probs_b.bias"), cfg)  # [T, K]
+    names = [n for n in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_gate_up_exps.weight",
+                         "ffn_down_exps.weight") if layer_weights.expert_elements(layer, n)]
+    per_expert = sum(layer_weights.expert_elements(layer, n) for n in names)
+    n_tok = x.shape[0]
+    while n_tok > 0 and len(set(ids[:n_tok].flatten().tolist())) * per_expert + sum(t.numel() for t in w.values()) > budget:
+        n_tok -= 1
+    if n_tok == 0:
+        return None, x
+    used = sorted(set(ids[:n_tok].flatten().tolist()))
+    for name in names:
+        w[name] = layer_weights.experts(layer, name, used)
+    return w, x[:n_tok]
 
 
 def _vocab_probe_ids(vocab: int, tp: int, gen: torch.Generator) -> Tensor:
@@ -152,6 +188,26 @@ def gguf_layer_weights(model: Any, dtype: torch.dtype = torch.float64,
             raise LayerTooLarge(n_el, max_elements)
         return {short: dequantize_tensor(model, name, dtype=dtype) for short, name in chosen.items()}
 
+    def experts(layer: int, short: str, used: list[int]) -> ExpertSubset | None:
+        """Experts ``used`` of stacked ``blk.{layer}.{short}`` [E, A, B], read row-wise."""
+        from ggufcheck.sharding.parallel import ExpertSubset
+
+        name = f"blk.{layer}.{short}"
+        info = model.tensors.get(name)
+        if info is None:
+            return None
+        _, a, b = info.shape
+        parts = {e: dequantize_tensor(model, name, rows=slice(e * a, (e + 1) * a), dtype=dtype).reshape(a, b)
+                 for e in used}  # [A, B] each
+        return ExpertSubset(info.shape, parts)
+
+    def expert_elements(layer: int, short: str) -> int:
+        """Elements of ONE expert of ``blk.{layer}.{short}`` (0 when absent)."""
+        info = model.tensors.get(f"blk.{layer}.{short}")
+        return 0 if info is None else info.n_elements // info.shape[0]
+
+    layer_weights.experts = experts
+    layer_weights.expert_elements = expert_elements
     return layer_weights
 
 

@@ -57,6 +57,28 @@ class LayerJob:
     tensor: str = ""  # the main tensor's GGUF name, for the report
 
 
+class ExpertSubset:
+    """Some experts of a stacked [E, A, B] tensor, for a MoE layer too big to load whole.
+
+    Only the experts the router picks for the test input are read from the file; indexing
+    ``[e]`` gives expert e's [A, B] (as for the full tensor), ``shape`` the full shape, so the
+    reference's expert loop and the plan checks see no difference.
+    """
+
+    def __init__(self, shape: tuple[int, ...], experts: dict[int, Tensor]):
+        self.shape = tuple(shape)
+        self.experts = experts
+
+    def __getitem__(self, e: int) -> Tensor:
+        return self.experts[int(e)]
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        return sum(t.numel() for t in self.experts.values())
+
+
 @dataclass
 class RunPayload:
     """Everything the ranks need for one run (every layer kind, then the collectives test)."""
@@ -177,20 +199,28 @@ def dense_ffn_tp(r: _Rank) -> Tensor:
     return r.ctx.all_reduce(partial)
 
 
+def _expert_piece(r: _Rank, name: str, e: int) -> Tensor:
+    """This rank's piece of expert ``e`` of a stacked tensor (the rule's dims are [E, ...])."""
+    one = r.job.weights[name][e][None]  # [1, A, B]
+    return r.ctx.to(r.loader(one, rule_for(name, r.rules), r.ctx.rank, r.ctx.world_size, 0)[0])
+
+
 def moe_tp(r: _Rank) -> Tensor:
     """Routed experts + shared expert under TP: one all-reduce of all partials -> [T, D]."""
     cfg, x = r.cfg, r.input("x")
     gate_inp, bias = r.piece("ffn_gate_inp.weight"), r.piece("exp_probs_b.bias")
     ids, weights = route(x, gate_inp, bias, cfg)  # replicated: the same on every rank
-    if "ffn_gate_up_exps.weight" in r.job.weights:
-        gate_up = r.piece("ffn_gate_up_exps.weight")  # [E, 2*Fl, D]: [gate_r ; up_r]
-    else:
-        gate_up = torch.cat((r.piece("ffn_gate_exps.weight"), r.piece("ffn_up_exps.weight")), dim=1)  # [E, 2*Fl, D]
-    down = r.piece("ffn_down_exps.weight")  # [E, D, Fl]
+    fused = "ffn_gate_up_exps.weight" in r.job.weights
     partial = torch.zeros_like(x)
     for e in torch.unique(ids).tolist():
+        if fused:
+            gate_up = _expert_piece(r, "ffn_gate_up_exps.weight", e)  # [2*Fl, D]: [gate_r ; up_r]
+        else:
+            gate_up = torch.cat((_expert_piece(r, "ffn_gate_exps.weight", e),
+                                 _expert_piece(r, "ffn_up_exps.weight", e)))  # [2*Fl, D]
+        down = _expert_piece(r, "ffn_down_exps.weight", e)  # [D, Fl]
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
-        y = _swiglu_partial(x[tok], gate_up[e], down[e])  # [n, D]
+        y = _swiglu_partial(x[tok], gate_up, down)  # [n, D]
         partial.index_add_(0, tok, y * weights[tok, slot, None])
     if "ffn_gate_shexp.weight" in r.job.weights:
         shared = _merged_gate_up(r, "ffn_gate_shexp.weight", "ffn_up_shexp.weight")
