@@ -117,6 +117,15 @@ def child(path: Path, n_tokens: int) -> None:
         layer_mb = max(ref.weights.layer_bytes(i) for i in range(ref.cfg.n_layer)) / 2**20
         layer_params = max(sum(ref.gguf.tensors[n].n_elements for n in ref.weights._layer_names[i])
                            for i in range(ref.cfg.n_layer))
+        per_layer: list[float] = []
+        run_layer = ref._layer
+
+        def measured(i, *a, **k):  # RSS after each layer (weights released): must stay flat
+            out = run_layer(i, *a, **k)
+            per_layer.append(rss_mb())
+            return out
+
+        ref._layer = measured
         with torch.no_grad():
             logits = ref.prefill(tokens, trace=False)
     ref_s = time.perf_counter() - t0
@@ -124,7 +133,8 @@ def child(path: Path, n_tokens: int) -> None:
     head_chunk_mb = 16384 * D * 4 / 2**20
     print(json.dumps(dict(read_s=read_s, ref_s=ref_s, peak_mb=peak, baseline_mb=baseline,
                           layer_raw_mb=layer_mb, layer_fp32_mb=layer_params * 4 / 2**20,
-                          head_chunk_mb=head_chunk_mb, finite=bool(torch.isfinite(logits).all()))))
+                          head_chunk_mb=head_chunk_mb, finite=bool(torch.isfinite(logits).all()),
+                          rss_after_layer=per_layer)))
 
 
 def main() -> int:
@@ -153,6 +163,8 @@ def main() -> int:
               f"bound (baseline {r['baseline_mb']:.0f} + layer fp32 + layer raw + head chunk "
               f"{r['head_chunk_mb']:.0f}) = {bound:.0f} MiB -> {'holds' if r['peak_mb'] <= bound * 1.25 else 'EXCEEDED'} "
               f"(peak / bound {r['peak_mb'] / bound:.2f})")
+        after = r["rss_after_layer"]
+        print(f"RSS after each layer: first {after[0]:.0f} MiB, last {after[-1]:.0f} MiB, max {max(after):.0f} MiB")
         print(f"time: plain sequential read (cold) {r['read_s']:.1f} s ({size_mb / r['read_s']:.0f} MiB/s), "
               f"streaming reference (cold) {r['ref_s']:.1f} s: ratio {r['ref_s'] / r['read_s']:.1f}; "
               f"logits finite: {r['finite']}")
