@@ -12,14 +12,13 @@ process dies inside a case (a segfault, a sticky CUDA error, a hang), that case 
 
 from __future__ import annotations
 
-import math
 import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ggufcheck.probe.runner import ProbeFailed, ProbeTarget, run_probe
+from ggufcheck.probe.runner import ProbeTarget, run_probe
 from ggufcheck.results import Result, StageReport, Status, errored
 
 SRC_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding the ggufcheck package
@@ -251,7 +250,6 @@ def model_data(model, shapes: ModelShapes, plan: list[dict], path: Path, rows: i
     """Write the probe's torch file of real data; returns notes on what is real and what is not."""
     import numpy as np
     import torch
-    import gguf
 
     from ggufcheck.gguf.dequant import dequantize, dequantize_tensor
 

@@ -17,7 +17,6 @@ D q/k head dim, E v head dim (SDPA layout (B, H, T, D)).
 from __future__ import annotations
 
 import importlib
-import inspect
 import math
 import os
 import sys
@@ -28,7 +27,6 @@ from ggufcheck_probe_tiers import (KernelCase, NotInstalled, Unsupported, run_ca
                                    topk_compare)
 
 torch = None  # imported in main(), inside a try
-DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "float64": "float64"}
 
 
 def _dt(name: str):
