@@ -36,7 +36,7 @@ def _wrong_sum(ctx, payload):
     return out
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+@pytest.mark.parametrize("tp", [1, 2, 4])  # TP 8: test_invariance.py::test_tp8_on_8_head_models[llama]
 def test_collectives_are_exact(tp):
     per_rank = run_ranks(_collect, None, DistOptions(tp, "gloo", timeout_s=60))
     results = collectives.check_collectives(per_rank, "gloo")

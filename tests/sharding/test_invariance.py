@@ -57,8 +57,9 @@ def test_tp8_on_8_head_models(tiny8, arch):
         assert ran[kind].status is Status.PASS, (kind, ran[kind].message)
     pads = [r for r in report.results if r.check.startswith("sharding.vocab.padding_zero")]
     assert pads and all(r.status is Status.PASS and r.stats["padding_rows"] == 12 for r in pads)
-    if arch == "llama":
-        assert any(r.check.startswith("sharding.collectives") for r in report.results)
+    if arch == "llama":  # the collectives self-test at TP 8 (test_dist.py covers 1, 2, 4)
+        coll = [r for r in report.results if r.check.startswith("sharding.collectives")]
+        assert len(coll) == 2 and all(r.status is Status.PASS for r in coll)
     if arch in ("llama", "glm4moe"):  # 8 q heads over 2 kv heads: each kv head on 4 ranks
         kv = [r for r in report.results if r.check == "sharding.plan.kv_heads"][0]
         assert kv.status is Status.PASS and kv.stats["replicas"] == 4
@@ -94,7 +95,7 @@ def test_every_rank_loading_shard0_fails_on_rank1(tiny_converted):
         assert ran[kind].worst["ranks_with_wrong_partials"] == [1] and ran[kind].worst["rank"] == 1
 
 
-@pytest.mark.parametrize("budget", [30_000, 20_000])
+@pytest.mark.parametrize("budget", [20_000])
 def test_moe_too_big_to_load_runs_on_the_routed_experts_only(tiny_converted, budget):
     """A 256-expert layer does not fit in fp64: only the experts the router picks are read
     (fewer tokens when needed); the check must still pass, and still catch a bad loader."""
