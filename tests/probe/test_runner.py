@@ -160,3 +160,13 @@ def test_target_without_torch_is_reported_not_crashed():
 
     report = run_kernel_stage(KernelOptions(target=ProbeTarget(python), only=("rmsnorm",)))
     assert [r.check for r in report.results if r.status == Status.ERROR] == ["kernels.probe"]
+
+
+def test_cli_env_with_a_missing_interpreter_exits_2_with_one_line(capsys):
+    from ggufcheck.cli import COMMANDS, main
+
+    if "env" not in COMMANDS:
+        pytest.skip("the lead has not registered `env` in ggufcheck.cli.COMMANDS yet")
+    assert main(["env", "--python", "/nonexistent/bin/python3"]) == ExitStatus.USAGE
+    err = capsys.readouterr().err
+    assert "target interpreter not found: /nonexistent/bin/python3" in err and "Traceback" not in err
