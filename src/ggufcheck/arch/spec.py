@@ -7,7 +7,7 @@ llama.cpp's loaders, cited where they decide) and checks the invariants there: h
 divisibility, MLA dims, NextN layer count, expert counts and groups, indexer layer types.
 
 A missing or inconsistent key never crashes: it becomes a :class:`Finding` that names the
-key. :func:`build_spec` returns the findings beside the spec; :func:`spec_from_metadata`
+key (typed key reading lives in :mod:`ggufcheck.arch.keys`). :func:`build_spec` returns the findings beside the spec; :func:`spec_from_metadata`
 raises :class:`SpecError` (carrying them) instead. An architecture without a spec gets a
 :class:`GenericSpec` with whatever generic keys exist, so integrity and health checks still
 run and the mapping check can SKIP with the reason.
@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import numpy as np
 
-from ggufcheck.errors import GGUFCheckError
-from ggufcheck.results import Result, failed
+from ggufcheck.arch.keys import REQUIRED, Finding, Keys, SpecError, check
+from ggufcheck.results import Result
 
 if TYPE_CHECKING:  # pragma: no cover
     from ggufcheck.gguf.reader import GGUFModel
@@ -69,34 +69,6 @@ GATING_CODES = {1: Gating.SOFTMAX, 2: Gating.SIGMOID}
 # llama.cpp glm-dsa.cpp: without attention.indexer.types, a training context below 2^20 means
 # GLM-5 / 5.1 (every layer full), otherwise GLM-5.2's pattern
 GLM_5_2_CONTEXT = 1 << 20
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One missing or inconsistent metadata key."""
-
-    key: str  # the full GGUF key, e.g. "deepseek2.attention.key_length_mla"
-    problem: str
-
-    def __str__(self) -> str:
-        return f"{self.key}: {self.problem}"
-
-    def to_result(self) -> Result:
-        return failed("metadata.spec", "metadata", str(self), stats={"key": self.key})
-
-
-class SpecError(GGUFCheckError):
-    """Metadata from which no trustworthy spec can be built; carries every finding."""
-
-    def __init__(self, arch: str, findings: list[Finding]):
-        self.arch = arch
-        self.findings = list(findings)
-        lines = "; ".join(str(f) for f in self.findings)
-        super().__init__(f"{arch}: {len(self.findings)} metadata finding(s): {lines}",
-                         tip="compare the keys with the converter that wrote the file")
-
-    def results(self) -> list[Result]:
-        return [f.to_result() for f in self.findings]
 
 
 # ---------------------------------------------------------------------------------------
@@ -274,100 +246,6 @@ class GenericSpec:
 
 
 # ---------------------------------------------------------------------------------------
-# reading keys
-
-
-_REQUIRED = object()
-
-
-class _Keys:
-    """Typed access to ``{arch}.*`` keys; every problem becomes a Finding naming the key."""
-
-    def __init__(self, metadata: Mapping[str, Any], arch: str):
-        self.metadata = metadata
-        self.prefix = f"{arch}."
-        self.findings: list[Finding] = []
-        self.notes: list[str] = []
-
-    def key(self, name: str) -> str:
-        return self.prefix + name
-
-    def has(self, name: str) -> bool:
-        return self.key(name) in self.metadata
-
-    def fail(self, name: str, problem: str) -> None:
-        self.findings.append(Finding(self.key(name) if not name.startswith(("general.", "tokenizer."))
-                                     else name, problem))
-
-    def _raw(self, name: str, default: Any) -> tuple[bool, Any]:
-        """(found, value); a missing required key is a finding and reads as None."""
-        key = name if name.startswith(("general.", "tokenizer.")) else self.key(name)
-        if key in self.metadata:
-            return True, self.metadata[key]
-        if default is _REQUIRED:
-            self.fail(name, "missing (required)")
-            return False, None
-        return False, default
-
-    def int(self, name: str, default: Any = _REQUIRED, minimum: int = 1) -> Any:
-        found, value = self._raw(name, default)
-        if not found:
-            return value
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
-            self.fail(name, f"expected an integer, found {value!r}")
-            return None
-        if value < minimum:
-            self.fail(name, f"must be >= {minimum}, found {int(value)}")
-            return None
-        return int(value)
-
-    def float(self, name: str, default: Any = _REQUIRED, positive: bool = False) -> Any:
-        found, value = self._raw(name, default)
-        if not found:
-            return value
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            self.fail(name, f"expected a finite number, found {value!r}")
-            return None
-        if positive and value <= 0:
-            self.fail(name, f"must be > 0, found {value!r}")
-            return None
-        return float(value)
-
-    def bool(self, name: str, default: Any = _REQUIRED) -> Any:
-        found, value = self._raw(name, default)
-        if not found:
-            return value
-        if not isinstance(value, bool):
-            self.fail(name, f"expected a bool, found {value!r}")
-            return None
-        return value
-
-    def str(self, name: str, default: Any = _REQUIRED) -> Any:
-        found, value = self._raw(name, default)
-        if not found:
-            return value
-        if not isinstance(value, str):
-            self.fail(name, f"expected a string, found {value!r}")
-            return None
-        return value
-
-    def bool_list(self, name: str) -> tuple[bool, ...] | None:
-        found, value = self._raw(name, None)
-        if not found:
-            return None
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, bool) for v in value):
-            self.fail(name, f"expected an array of bools, found {type(value).__name__}")
-            return None
-        return tuple(value)
-
-
-def _check(keys: _Keys, ok: bool, name: str, problem: str) -> bool:
-    if not ok:
-        keys.fail(name, problem)
-    return ok
-
-
-# ---------------------------------------------------------------------------------------
 # the builder
 
 
@@ -387,7 +265,7 @@ def build_spec(metadata: Mapping[str, Any], tensor_names: Iterable[str] | None =
         return None, [Finding("general.architecture", f"missing or not a string: {arch!r}")]
     if arch not in SUPPORTED:
         return _generic(metadata, arch, tied), []
-    keys = _Keys(metadata, arch)
+    keys = Keys(metadata, arch)
     spec = _build(keys, arch, tied)
     if keys.findings or spec is None:
         return None, keys.findings or [Finding(f"{arch}.*", "inconsistent metadata")]
@@ -441,7 +319,7 @@ def _generic(metadata: Mapping[str, Any], arch: str, tied: bool | None) -> Gener
         n_ff=num("feed_forward_length"), context_length=num("context_length"), tied_output=tied)
 
 
-def _vocab(keys: _Keys) -> int | None:
+def _vocab(keys: Keys) -> int | None:
     if keys.has("vocab_size"):
         return keys.int("vocab_size")
     tokens = keys.metadata.get("tokenizer.ggml.tokens")
@@ -452,7 +330,7 @@ def _vocab(keys: _Keys) -> int | None:
     return None
 
 
-def _build(keys: _Keys, arch: str, tied: bool | None) -> ArchSpec | None:
+def _build(keys: Keys, arch: str, tied: bool | None) -> ArchSpec | None:
     n_embd = keys.int("embedding_length")
     n_block = keys.int("block_count")
     n_head = keys.int("attention.head_count")
@@ -463,7 +341,7 @@ def _build(keys: _Keys, arch: str, tied: bool | None) -> ArchSpec | None:
     n_nextn = keys.int("nextn_predict_layers", 0, minimum=0) if arch in NEXTN_ARCHS else 0
     if None in (n_embd, n_block, n_head, n_head_kv, n_vocab, rms_eps, n_nextn):
         return None
-    _check(keys, n_nextn < n_block, "nextn_predict_layers",
+    check(keys, n_nextn < n_block, "nextn_predict_layers",
            f"{n_nextn} NextN layers leave no layer to run (block_count {n_block})")
     if arch in MLA_ARCHS:
         return _build_mla(keys, arch, n_embd, n_block, n_nextn, n_head, n_head_kv, n_vocab,
@@ -472,14 +350,14 @@ def _build(keys: _Keys, arch: str, tied: bool | None) -> ArchSpec | None:
                       rms_eps, context, tied)
 
 
-def _build_gqa(keys: _Keys, arch: str, n_embd: int, n_block: int, n_nextn: int, n_head: int,
+def _build_gqa(keys: Keys, arch: str, n_embd: int, n_block: int, n_nextn: int, n_head: int,
                n_head_kv: int, n_vocab: int, rms_eps: float, context: int | None,
                tied: bool | None) -> ArchSpec | None:
     """llama, qwen2, qwen3, glm4moe: grouped-query attention."""
-    _check(keys, n_head % n_head_kv == 0, "attention.head_count_kv",
+    check(keys, n_head % n_head_kv == 0, "attention.head_count_kv",
            f"{n_head_kv} kv heads do not divide {n_head} query heads")
     if not keys.has("attention.key_length"):
-        if not _check(keys, n_embd % n_head == 0, "attention.key_length",
+        if not check(keys, n_embd % n_head == 0, "attention.key_length",
                       f"missing, and embedding_length {n_embd} is not a multiple of {n_head} heads"):
             return None
     head_k = keys.int("attention.key_length", n_embd // n_head)
@@ -488,10 +366,10 @@ def _build_gqa(keys: _Keys, arch: str, n_embd: int, n_block: int, n_nextn: int, 
         return None
     rope = _rope(keys, arch, head_dim=head_k, n_rot_default=head_k)
     moe = _moe(keys, arch, n_block) if arch in MOE_ARCHS else None
-    n_ff = keys.int("feed_forward_length", 0 if moe is not None else _REQUIRED, minimum=0)
+    n_ff = keys.int("feed_forward_length", 0 if moe is not None else REQUIRED, minimum=0)
     if rope is None or n_ff is None or (arch in MOE_ARCHS and moe is None):
         return None
-    _check(keys, moe is None or moe.leading_dense == 0 or n_ff > 0, "feed_forward_length",
+    check(keys, moe is None or moe.leading_dense == 0 or n_ff > 0, "feed_forward_length",
            "missing or 0, but leading dense layers need it")
     return ArchSpec(arch=arch, n_embd=n_embd, n_block=n_block, n_nextn=n_nextn,
                     n_vocab=n_vocab, n_head=n_head, n_head_kv=n_head_kv, head_dim_k=head_k,
@@ -499,7 +377,7 @@ def _build_gqa(keys: _Keys, arch: str, n_embd: int, n_block: int, n_nextn: int, 
                     rope=rope, moe=moe, tied_output=tied, notes=tuple(keys.notes))
 
 
-def _build_mla(keys: _Keys, arch: str, n_embd: int, n_block: int, n_nextn: int, n_head: int,
+def _build_mla(keys: Keys, arch: str, n_embd: int, n_block: int, n_nextn: int, n_head: int,
                n_head_kv: int, n_vocab: int, rms_eps: float, context: int | None,
                tied: bool | None) -> ArchSpec | None:
     """deepseek2, glm-dsa: MLA attention (+ MoE, + the DSA indexer for glm-dsa)."""
@@ -509,14 +387,14 @@ def _build_mla(keys: _Keys, arch: str, n_embd: int, n_block: int, n_nextn: int, 
         return None
     if moe is None:  # a deepseek2 without experts (llama.cpp: every layer dense)
         keys.notes.append("no expert_count: every layer uses the dense FFN")
-    n_ff = keys.int("feed_forward_length", _REQUIRED if moe is None or moe.leading_dense else 0,
+    n_ff = keys.int("feed_forward_length", REQUIRED if moe is None or moe.leading_dense else 0,
                     minimum=0)
     rope = _rope(keys, arch, head_dim=mla.qk_rope, n_rot_default=mla.qk_rope)
     indexer = (_indexer(keys, n_block - n_nextn, context, rope)
                if arch == "glm-dsa" and rope is not None else None)
     if n_ff is None or rope is None or (arch == "glm-dsa" and indexer is None):
         return None
-    _check(keys, rope.n_rot == mla.qk_rope, "rope.dimension_count",
+    check(keys, rope.n_rot == mla.qk_rope, "rope.dimension_count",
            f"{rope.n_rot} != qk_rope {mla.qk_rope}")
     return ArchSpec(arch=arch, n_embd=n_embd, n_block=n_block, n_nextn=n_nextn,
                     n_vocab=n_vocab, n_head=n_head, n_head_kv=n_head_kv,
@@ -525,14 +403,14 @@ def _build_mla(keys: _Keys, arch: str, n_embd: int, n_block: int, n_nextn: int, 
                     tied_output=tied, notes=tuple(keys.notes))
 
 
-def _rope(keys: _Keys, arch: str, head_dim: int, n_rot_default: int) -> Rope | None:
+def _rope(keys: Keys, arch: str, head_dim: int, n_rot_default: int) -> Rope | None:
     base = keys.float("rope.freq_base", 10000.0, positive=True)
-    n_rot = keys.int("rope.dimension_count", n_rot_default if arch not in MLA_ARCHS else _REQUIRED)
+    n_rot = keys.int("rope.dimension_count", n_rot_default if arch not in MLA_ARCHS else REQUIRED)
     scaling = keys.str("rope.scaling.type", None)
     if base is None or n_rot is None:
         return None
-    ok = _check(keys, n_rot % 2 == 0, "rope.dimension_count", f"{n_rot} is odd")
-    ok &= _check(keys, n_rot <= head_dim, "rope.dimension_count",
+    ok = check(keys, n_rot % 2 == 0, "rope.dimension_count", f"{n_rot} is odd")
+    ok &= check(keys, n_rot <= head_dim, "rope.dimension_count",
                  f"{n_rot} rotated dims exceed the head dim {head_dim}")
     if scaling in (None, "none"):
         return Rope(base, n_rot, PAIRING[arch], head_dim) if ok else None
@@ -542,7 +420,7 @@ def _rope(keys: _Keys, arch: str, head_dim: int, n_rot_default: int) -> Rope | N
         original = keys.int("context_length", None)
         keys.notes.append("YaRN original context missing: llama.cpp falls back to context_length, "
                           "which moves the correction dims")
-        ok &= _check(keys, original is not None, "rope.scaling.original_context_length",
+        ok &= check(keys, original is not None, "rope.scaling.original_context_length",
                      "missing, and no context_length to fall back to")
     log_mul = keys.float("rope.scaling.yarn_log_multiplier", 0.0)
     beta_fast = keys.float("rope.scaling.yarn_beta_fast", 32.0)
@@ -559,8 +437,8 @@ def _rope(keys: _Keys, arch: str, head_dim: int, n_rot_default: int) -> Rope | N
                 mscale_all_dim=mscale_all_dim)
 
 
-def _mla(keys: _Keys, arch: str, n_head_kv: int) -> MLA | None:
-    q_lora = keys.int("attention.q_lora_rank", None if arch == "deepseek2" else _REQUIRED)
+def _mla(keys: Keys, arch: str, n_head_kv: int) -> MLA | None:
+    q_lora = keys.int("attention.q_lora_rank", None if arch == "deepseek2" else REQUIRED)
     kv_lora = keys.int("attention.kv_lora_rank")
     n_rot = keys.int("rope.dimension_count")
     split = keys.has("attention.key_length_mla") or keys.has("attention.value_length_mla")
@@ -571,11 +449,11 @@ def _mla(keys: _Keys, arch: str, n_head_kv: int) -> MLA | None:
         v_mqa = keys.int("attention.value_length", None)
         if None in (kv_lora, n_rot, k_mla, v_mla):
             return None
-        _check(keys, k_mqa is None or k_mqa == kv_lora + n_rot, "attention.key_length",
+        check(keys, k_mqa is None or k_mqa == kv_lora + n_rot, "attention.key_length",
                f"MQA view {k_mqa} != kv_lora_rank + rope dims = {kv_lora + n_rot}")
-        _check(keys, v_mqa is None or v_mqa == kv_lora, "attention.value_length",
+        check(keys, v_mqa is None or v_mqa == kv_lora, "attention.value_length",
                f"MQA view {v_mqa} != kv_lora_rank {kv_lora}")
-        _check(keys, n_head_kv == 1, "attention.head_count_kv",
+        check(keys, n_head_kv == 1, "attention.head_count_kv",
                f"MLA files store the MQA view with 1 kv head, found {n_head_kv}")
     else:  # legacy deepseek2 files: attn_kv_b unsplit, *_length = P+R and V (MHA view)
         if arch == "glm-dsa":  # llama.cpp glm-dsa.cpp: "GLM_DSA architecture requires MLA"
@@ -586,17 +464,17 @@ def _mla(keys: _Keys, arch: str, n_head_kv: int) -> MLA | None:
         if None in (kv_lora, n_rot, k_mla, v_mla):
             return None
         keys.notes.append("legacy MLA layout: one attn_kv_b per layer")
-    if not _check(keys, k_mla > n_rot, "attention.key_length_mla" if split else "attention.key_length",
+    if not check(keys, k_mla > n_rot, "attention.key_length_mla" if split else "attention.key_length",
                   f"{k_mla} leaves no nope dims after {n_rot} rope dims (must be P + R, P > 0)"):
         return None
     return MLA(q_lora_rank=q_lora, kv_lora_rank=kv_lora, qk_nope=k_mla - n_rot, qk_rope=n_rot,
                v_head=v_mla, split_kv_b=split)
 
 
-def _moe(keys: _Keys, arch: str, n_block: int) -> MoE | None:
+def _moe(keys: Keys, arch: str, n_block: int) -> MoE | None:
     n_expert = keys.int("expert_count")
     n_used = keys.int("expert_used_count")
-    n_shared = keys.int("expert_shared_count", 0 if arch == "glm4moe" else _REQUIRED, minimum=0)
+    n_shared = keys.int("expert_shared_count", 0 if arch == "glm4moe" else REQUIRED, minimum=0)
     expert_ff = keys.int("expert_feed_forward_length")
     dense = keys.int("leading_dense_block_count", 0, minimum=0)
     code = keys.int("expert_gating_func", None, minimum=0)
@@ -614,17 +492,17 @@ def _moe(keys: _Keys, arch: str, n_block: int) -> MoE | None:
     else:
         keys.fail("expert_gating_func", f"unsupported gating function {code} (1 softmax, 2 sigmoid)")
         return None
-    ok = _check(keys, n_used <= n_expert, "expert_used_count",
+    ok = check(keys, n_used <= n_expert, "expert_used_count",
                 f"{n_used} used experts > {n_expert} experts")
-    ok &= _check(keys, n_expert % n_group == 0, "expert_group_count",
+    ok &= check(keys, n_expert % n_group == 0, "expert_group_count",
                  f"{n_group} groups do not divide {n_expert} experts")
-    ok &= _check(keys, n_group_used <= n_group, "expert_group_used_count",
+    ok &= check(keys, n_group_used <= n_group, "expert_group_used_count",
                  f"{n_group_used} used groups > {n_group} groups")
     if ok:
-        ok &= _check(keys, n_used <= n_expert // n_group * n_group_used, "expert_used_count",
+        ok &= check(keys, n_used <= n_expert // n_group * n_group_used, "expert_used_count",
                      f"{n_used} used experts > the {n_expert // n_group * n_group_used} experts "
                      f"in {n_group_used} of {n_group} groups")
-    ok &= _check(keys, dense <= n_block, "leading_dense_block_count",
+    ok &= check(keys, dense <= n_block, "leading_dense_block_count",
                  f"{dense} dense layers > block_count {n_block}")
     if not ok:
         return None
@@ -634,7 +512,7 @@ def _moe(keys: _Keys, arch: str, n_block: int) -> MoE | None:
                n_group_used=n_group_used)
 
 
-def _indexer(keys: _Keys, n_layer: int, context: int | None, rope: Rope) -> Indexer | None:
+def _indexer(keys: Keys, n_layer: int, context: int | None, rope: Rope) -> Indexer | None:
     n_head = keys.int("attention.indexer.head_count")
     head_dim = keys.int("attention.indexer.key_length")
     top_k = keys.int("attention.indexer.top_k")
@@ -642,13 +520,13 @@ def _indexer(keys: _Keys, n_layer: int, context: int | None, rope: Rope) -> Inde
     if None in (n_head, head_dim, top_k):
         return None
     # llama.cpp glm-dsa.cpp: GGML_ASSERT(n_rot <= indexer head size)
-    if not _check(keys, rope.n_rot <= head_dim, "attention.indexer.key_length",
+    if not check(keys, rope.n_rot <= head_dim, "attention.indexer.key_length",
                   f"{head_dim} < {rope.n_rot} rope dims"):
         return None
     if types is not None:
         source = "metadata"
         # llama.cpp reads it with get_key_or_arr(..., n_layer()): one entry per run layer
-        if not _check(keys, len(types) == n_layer, "attention.indexer.types",
+        if not check(keys, len(types) == n_layer, "attention.indexer.types",
                       f"{len(types)} entries, expected one per run layer ({n_layer})"):
             return None
     elif context is not None and context >= GLM_5_2_CONTEXT:
@@ -657,7 +535,7 @@ def _indexer(keys: _Keys, n_layer: int, context: int | None, rope: Rope) -> Inde
     else:
         source = "default: GLM-5/5.1 (every layer full)"
         types = (True,) * n_layer
-    if not _check(keys, not types or types[0], "attention.indexer.types",
+    if not check(keys, not types or types[0], "attention.indexer.types",
                   "layer 0 is shared, but a shared layer needs an earlier full layer"):
         return None
     if source != "metadata":
