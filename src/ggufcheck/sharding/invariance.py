@@ -51,6 +51,7 @@ class InvarianceOptions:
     kv_layout: KvBLayout = VLLM_LAYOUT
     kinds: tuple[str, ...] | None = None  # None: every kind the model has
     collectives: bool = True
+    start_method: str | None = None  # None: fork for gloo on Linux, spawn for NCCL (dist.py)
     max_layer_elements: int = 400_000_000  # skip a kind whose fp64 weights would exceed ~3 GiB
     skipped: list[Result] = field(default_factory=list)
 
@@ -363,7 +364,7 @@ def run_invariance(cfg: ReferenceConfig, rules: dict[str, ShardRule], jobs: list
     backend = resolve_backend(opts.backend, opts.tp)
     payload = RunPayload(cfg, rules, runnable, opts.loader, opts.kv_layout, opts.collectives)
     try:
-        per_rank = run_ranks(rank_run, payload, DistOptions(opts.tp, backend, opts.timeout_s))
+        per_rank = run_ranks(rank_run, payload, DistOptions(opts.tp, backend, opts.timeout_s, opts.start_method))
     except RanksFailed as err:
         return results + [errored("sharding.tp.run", COMPONENT, f"the sharded run failed: {err.message}",
                                   stats={"tp": opts.tp, "backend": backend, "detail": err.detail[-2000:]})]
