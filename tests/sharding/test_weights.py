@@ -118,3 +118,32 @@ def test_through_the_engine_interface(tiny_converted):
         results = check_engine_weights(m, spec, table_for(spec), engine, layout="transformers")
     assert not [r.message for r in results if r.failed]
     assert [r for r in results if r.status is Status.PASS][0].stats["parameters"] > 10
+
+
+def test_quantized_bytes_per_rank(tiny_gguf):
+    """Engines that keep GGUF bytes: each rank's uint8 slice of the file, block-aligned or reported."""
+    import numpy as np
+
+    g = tiny_gguf("llama", qtypes={"default": "Q8_0"})  # D 64, FF 128: Q8_0 blocks of 32
+    with open_gguf(g.path) as m:
+        spec, _ = spec_for_model(m)
+        table = table_for(spec)
+
+        def raw(name):
+            return torch.from_numpy(np.array(m.raw(name)))
+
+        q, o, down = (raw(f"blk.0.{n}.weight") for n in ("attn_q", "attn_output", "ffn_down"))
+        per_o, per_d = o.shape[-1] // 2, down.shape[-1] // 2  # bytes per rank: 1 and 2 Q8_0 blocks per row
+        loaded = {r: {"model.layers.0.self_attn.q_proj.weight": q.chunk(2)[r],
+                      "model.layers.0.self_attn.o_proj.weight": o[:, r * per_o:(r + 1) * per_o],
+                      "model.layers.0.mlp.down_proj.weight": down[:, r * per_d:(r + 1) * per_d]}
+                  for r in range(2)}
+        good = check_loaded_weights(m, spec, table, loaded, 2)
+        loaded[1]["model.layers.0.mlp.down_proj.weight"] = loaded[0]["model.layers.0.mlp.down_proj.weight"]
+        shard0 = check_loaded_weights(m, spec, table, loaded, 2)
+        at8 = check_loaded_weights(m, spec, table, {0: {"model.layers.0.self_attn.o_proj.weight": o[:, :8]}}, 8)
+    assert not [r.message for r in good if r.failed]
+    (bad,) = [r for r in shard0 if r.failed]
+    assert bad.component == "sharding" and "rank 0's bytes" in bad.message and bad.stats["rank"] == 1
+    (unaligned,) = [r for r in at8 if r.failed]  # 64 / 8 = 8 elements: a quarter of a Q8_0 block
+    assert unaligned.component == "sharding" and "quant blocks" in unaligned.message

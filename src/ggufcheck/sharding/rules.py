@@ -152,3 +152,22 @@ def split_problem(size: int, rule: ShardRule, tp: int, n_kv: int = 0) -> str | N
     if rule.unit > 1 and (block // tp) % rule.unit:
         return f"{block} / {tp} = {block // tp} cuts through a unit (head) of {rule.unit}"
     return None
+
+
+def raw_shard(raw: Tensor, rule: ShardRule, rank: int, tp: int, n_kv: int, block: int,
+              type_size: int) -> Tensor | str:
+    """Rank ``rank``'s piece of a tensor's QUANTIZED bytes ``raw`` [..., row_bytes] (uint8).
+
+    Splits of leading dims cut whole rows (as :func:`shard`; vocab padding rows are zero
+    bytes, which every ggml type dequantizes to 0). A split of the last dim (ggml ne0, the
+    quant-block dim) must start every rank on a block boundary; when it cannot, the reason
+    is returned instead of a tensor (what a GGUF loader would have to get wrong).
+    """
+    if not rule.is_split or rule.dim % raw.dim() != raw.dim() - 1:
+        return shard(raw, rule, rank, tp, n_kv)
+    n_elements = raw.shape[-1] // type_size * block
+    if n_elements % tp or (n_elements // tp) % block:
+        return (f"{n_elements} / {tp} = {n_elements / tp:g} elements per rank: not a whole number of "
+                f"{block}-element quant blocks")
+    per_bytes = n_elements // tp // block * type_size
+    return raw.narrow(raw.dim() - 1, rank * per_bytes, per_bytes)

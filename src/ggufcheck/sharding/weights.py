@@ -9,6 +9,10 @@ per rank summing up the rest. When a wrong parameter equals ANOTHER rank's slice
 verdict names it (fault catalog #1: every rank loaded shard 0); when it is the whole
 unsharded tensor, sharding was not applied. kv_b_proj results are component "mla-kv-b".
 
+Engines that keep GGUF weights quantized (vLLM's GGUF path) can hand over ``uint8`` bytes
+instead: those are compared, exactly, with the rank's slice of the file's raw bytes (one-to-one
+tensors only), and a row-parallel split that would start inside a quant block is reported.
+
 Tolerance: the engine may hold a parameter in a lower precision than the fp32 dequantized
 value: ``|loaded - expected| <= eps(dtype) * |expected|`` elementwise (one rounding of that
 dtype); fp32 and fp64 parameters must match to fp32 rounding.
@@ -28,7 +32,7 @@ from ggufcheck.arch.table import TensorTable
 from ggufcheck.arch.transforms import TRANSFORMS
 from ggufcheck.results import Result, failed, passed, skipped
 from ggufcheck.sharding.mla import KV_B_RULE
-from ggufcheck.sharding.rules import REPLICATED, ShardRule, rule_from_shard, shard
+from ggufcheck.sharding.rules import REPLICATED, ShardRule, raw_shard, rule_from_shard, shard
 
 if TYPE_CHECKING:  # pragma: no cover
     from ggufcheck.gguf.reader import GGUFModel
@@ -111,6 +115,18 @@ def check_loaded_weights(model: "GGUFModel", spec: ArchSpec, table: TensorTable,
     for items in work.values():  # one group dequantized at a time, for every rank
         full_by_name = _full_tensors(model, spec, items[0][3])
         for rank, name, got, param in items:
+            if got.dtype == torch.uint8:
+                problem = _diagnose_raw(model, spec, got, param, rank, tp, n_kv)
+                if problem is None:
+                    n_ok[rank] += 1
+                else:
+                    n_fail[rank] += 1
+                    if n_fail[rank] <= MAX_FAILS_PER_RANK:
+                        message, component, stats = problem
+                        results.append(failed("weights.loaded.raw_slice", component, f"rank {rank}: {name}: {message}",
+                                              tensor=name, layer=param.group.layer,
+                                              stats={"rank": rank, "tp": tp, **stats}, worst={"rank": rank}))
+                continue
             full = full_by_name[name] if name in full_by_name else next(iter(full_by_name.values()))
             want = shard(full, param.rule, rank, tp, n_kv)
             problem = _diagnose(got, want, full, param, rank, tp, n_kv)
@@ -133,6 +149,37 @@ def check_loaded_weights(model: "GGUFModel", spec: ArchSpec, table: TensorTable,
                                   f"rank {rank}: {n_ok[rank]} parameter(s) equal their expected TP {tp} slices",
                                   stats={"rank": rank, "tp": tp, "parameters": n_ok[rank]}))
     return results
+
+
+def _diagnose_raw(model: "GGUFModel", spec: ArchSpec, got: Tensor, param: HFParam, rank: int, tp: int,
+                  n_kv: int) -> tuple[str, str, dict] | None:
+    """None when quantized bytes ``got`` are rank's slice of the GGUF tensor's bytes."""
+    import warnings
+
+    import gguf
+
+    (exp,) = param.group.inputs.values() if len(param.group.inputs) == 1 else (None,)
+    if exp is None or param.group.transform not in ("identity", "llama_q", "llama_k"):
+        return ("raw bytes can be compared only for one-to-one tensors", "weights", {})
+    info = model.tensors[exp.name]
+    block, type_size = gguf.GGML_QUANT_SIZES[info.qtype]
+    rule = rule_from_shard(exp.row.shard, exp.row.shape, spec)
+    with warnings.catch_warnings():  # a read-only view of the map: never written
+        warnings.simplefilter("ignore")
+        raw = torch.from_numpy(model.raw(exp.name))
+    want = raw_shard(raw, rule, rank, tp, n_kv, block, type_size)
+    if isinstance(want, str):
+        return (f"{info.qtype.name} row-parallel split: {want}", "sharding", {"qtype": info.qtype.name})
+    got = got.detach().cpu()
+    if tuple(got.shape) == tuple(want.shape) and torch.equal(got, want):
+        return None
+    for other in range(tp):
+        theirs = raw_shard(raw, rule, other, tp, n_kv, block, type_size)
+        if other != rank and not isinstance(theirs, str) and tuple(theirs.shape) == tuple(got.shape) \
+                and torch.equal(got, theirs):
+            return (f"holds rank {other}'s bytes instead of its own", "sharding", {"holds_rank": other})
+    return (f"bytes differ from the expected {info.qtype.name} slice (shape {tuple(got.shape)}, "
+            f"expected {tuple(want.shape)})", "weights", {"qtype": info.qtype.name})
 
 
 def _diagnose(got: Tensor, want: Tensor, full: Tensor, param: HFParam, rank: int, tp: int,
