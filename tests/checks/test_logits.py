@@ -72,7 +72,7 @@ def test_llama_cpp_vs_the_fp64_reference_passes_with_measured_baseline(smollm2_p
     from ggufcheck.checks.logits import baseline_from
     from ggufcheck.engines.reference import ReferenceEngine
 
-    seqs = sequences[:2]
+    seqs = sequences[:2]  # 27 positions; the reference dequantizes the whole model once per dtype
     with ReferenceEngine(smollm2_path, dtype="fp64") as r64, ReferenceEngine(smollm2_path, dtype="fp32") as r32:
         ref = [r64.score(s) for s in seqs]
         base = baseline_from(collect(list(zip(ref, [r32.score(s) for s in seqs]))), "measured fp32 vs fp64")

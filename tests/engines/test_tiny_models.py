@@ -95,6 +95,6 @@ def test_reference_layer_outputs_match_hf_hooks(tiny):
     for key, value in ref.tensors.items():
         other = hf.tensors[key]
         scale = np.abs(value).max()
-        # measured: deepseek2 < 1e-6 relative; glm-dsa ~2.5e-4 (transformers' glm_moe_dsa in fp32
-        # differs from its own fp64 run by as much; the final KL is still ~1e-9)
+        # measured: deepseek2 < 1e-4 relative; glm-dsa ~2.5e-4 from layer 0's attention output on
+        # (cause not isolated: transformers' fp32 glm_moe_dsa path; the final KL is still ~1e-9)
         assert np.abs(value - other).max() < 1e-3 * scale, key

@@ -1,0 +1,104 @@
+"""``ggufcheck compare`` end to end on a tiny converted deepseek2: healthy, corrupted, unreachable."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+
+import pytest
+
+from ggufcheck.cli import compare
+from ggufcheck.errors import EngineUnreachable, ExitStatus, UsageError
+
+pytestmark = pytest.mark.llama
+
+PLUGIN = '''
+from ggufcheck.engines.faults import ShuffledLogits
+from ggufcheck.engines.llama_cpp import LlamaCppEngine
+
+
+def healthy(model_path):
+    return LlamaCppEngine(model_path, n_ctx=64, n_threads=2)
+
+
+def shuffled(model_path):
+    return ShuffledLogits(healthy(model_path))
+
+
+def not_an_engine(model_path):
+    return object()
+'''
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    compare.add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["compare", *argv])
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_converted, tmp_path_factory):
+    pytest.importorskip("llama_cpp")
+    model = tiny_converted("deepseek2", "f32").gguf_path
+    root = tmp_path_factory.mktemp("compare")
+    (root / "prompts.txt").write_text("The capital of France is Paris.\ndef f(x):\n1, 2, 3, 5, 8, 13\n")
+    (root / "my_engines.py").write_text(PLUGIN)
+    sys.path.insert(0, str(root))
+    yield model, root
+    sys.path.remove(str(root))
+
+
+def _run(model, root, engine, name):
+    out = root / f"{name}.json"
+    code = compare.run(_args(str(model), "--engine", engine, "--prompts", str(root / "prompts.txt"),
+                             "--no-sanity", "--new-tokens", "3", "--json", str(out)))
+    return code, json.loads(out.read_text())
+
+
+def test_healthy_llama_cpp_exits_0_with_every_stage(setup):
+    model, root = setup
+    code, doc = _run(model, root, "llama-cpp:n_ctx=64,n_threads=2", "healthy")
+    stages = {s["stage"]: s for s in doc["stages"]}
+    assert code == ExitStatus.HEALTHY, [r["message"] for s in doc["stages"] for r in s["results"]
+                                        if r["status"] == "FAIL"]
+    assert stages["logits"]["status"] == "PASS" and stages["paths"]["status"] == "PASS"
+    assert "measured reference fp32 vs reference fp64" in stages["logits"]["info"]["baseline"]
+    assert stages["logits"]["info"]["positions"] > 10
+
+
+def test_shuffled_plugin_engine_fails_the_logits_stage(setup):
+    model, root = setup
+    code, doc = _run(model, root, "python:my_engines:shuffled", "shuffled")
+    stages = {s["stage"]: s for s in doc["stages"]}
+    assert code == ExitStatus.FINDINGS
+    assert stages["logits"]["status"] == "FAIL"
+    failed = {r["check"] for r in stages["logits"]["results"] if r["status"] == "FAIL"}
+    assert {"logits.kl_mean", "logits.argmax"} <= failed
+
+
+def test_plugin_returning_something_else_is_a_usage_error(setup):
+    model, root = setup
+    with pytest.raises(UsageError, match="lacks"):
+        compare.run(_args(str(model), "--engine", "python:my_engines:not_an_engine"))
+
+
+def test_unreachable_server_exits_3(setup):
+    model, _ = setup
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(EngineUnreachable) as err:
+        compare.run(_args(str(model), "--engine", f"http://127.0.0.1:{port}/v1", "--timeout", "0.5"))
+    assert err.value.exit_status == ExitStatus.ENGINE_UNREACHABLE
+
+
+def test_bad_options_are_usage_errors(setup):
+    model, _ = setup
+    with pytest.raises(UsageError, match="--max-tokens"):
+        compare.run(_args(str(model), "--engine", "llama-cpp", "--max-tokens", "0"))
+    with pytest.raises(UsageError, match="unknown engine"):
+        compare.run(_args(str(model), "--engine", "tgi"))
+    with pytest.raises(UsageError, match="unknown option"):
+        compare.run(_args(str(model), "--engine", "llama-cpp:gpu_layers=3"))
