@@ -48,10 +48,15 @@ def index_scores(
 
 
 def select_top_k(scores: Tensor, top_k: int) -> Tensor:
-    """Best min(top_k, S) keys per query [T, k], best first; -1 where only masked keys are left."""
+    """Best min(top_k, S) keys per query [T, k], best first; -1 where only masked keys are left.
+
+    Equal scores are broken by the lower key index (a stable sort), so the choice does not
+    depend on how many queries are scored at once: prefill and decode pick the same keys
+    even at an exact tie (``torch.topk``'s order among equals varies with the shape)."""
     k = min(top_k, scores.shape[-1])
-    best = scores.topk(k, dim=-1)
-    return best.indices.masked_fill(torch.isinf(best.values), -1)
+    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)  # [T, S]
+    values, indices = values[:, :k], indices[:, :k]
+    return indices.masked_fill(torch.isinf(values), -1)
 
 
 def boundary_ties(scores: Tensor, top_k: int) -> Tensor:
