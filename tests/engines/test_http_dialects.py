@@ -1,0 +1,134 @@
+"""vLLM and llama-server dialects: the parsers against each server's documented answer format.
+
+No vLLM or llama-server runs on this machine, so a stdlib server answers in their
+documented formats (vLLM: ``prompt_logprobs`` as ``[null, {id: {logprob, rank,
+decoded_token}}, ...]`` and ``token_id:N`` keys with ``return_tokens_as_token_ids``;
+llama-server: ``completion_probabilities`` with ``top_logprobs: [{id, token, logprob}]``)
+filled with REAL distributions from llama.cpp in process. The test is that the adapter puts
+every number at the right position: teacher-forced tables equal llama.cpp's own top-k.
+This checks the protocol handling only; live vLLM / llama-server runs are not covered here.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+
+import numpy as np
+import pytest
+
+from ggufcheck.checks.logits import collect
+from ggufcheck.engines.http import HttpEngine, HttpOptions
+
+pytestmark = pytest.mark.llama
+K = 5
+
+
+def _top(table_row: np.ndarray, k: int = K) -> list[tuple[int, float]]:
+    ids = np.argsort(-table_row)[:k]
+    return [(int(i), float(table_row[i])) for i in ids]
+
+
+def _vllm_answer(llama, body: dict) -> dict:
+    prompts = body["prompt"] if isinstance(body["prompt"][0], list) else [body["prompt"]]
+    choices = []
+    for index, prompt in enumerate(prompts):
+        lp = llama.score(prompt).logprobs
+        plp = [None]
+        for i in range(1, len(prompt)):  # entry i: the distribution that predicts prompt[i]
+            entry = {str(t): {"logprob": v, "rank": r + 1, "decoded_token": "?"} for r, (t, v) in enumerate(_top(lp[i - 1]))}
+            entry.setdefault(str(prompt[i]), {"logprob": float(lp[i - 1, prompt[i]]), "rank": 99, "decoded_token": "?"})
+            plp.append(entry)
+        nxt = _top(lp[-1])
+        choices.append({"index": index, "text": "?", "prompt_logprobs": plp,
+                        "logprobs": {"tokens": [f"token_id:{nxt[0][0]}"], "token_logprobs": [nxt[0][1]],
+                                     "top_logprobs": [{f"token_id:{t}": v for t, v in nxt}]}})
+    return {"object": "text_completion", "choices": choices}
+
+
+def _llama_server_answer(llama, body: dict) -> dict:
+    prompt = list(body["prompt"])
+    steps = []
+    for _ in range(body.get("n_predict", 1)):
+        row = llama.score(prompt).logprobs[-1]
+        top = _top(row, body["n_probs"])
+        steps.append({"id": top[0][0], "token": "?", "logprob": top[0][1],
+                      "top_logprobs": [{"id": t, "token": "?", "logprob": v} for t, v in top]})
+        prompt.append(top[0][0])
+    return {"content": "?", "completion_probabilities": steps}
+
+
+@pytest.fixture
+def dialect_server(llama_engine):
+    servers = []
+
+    def start(kind: str) -> str:
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _send(self, doc, code=200):
+                raw = json.dumps(doc).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def do_GET(self):
+                if self.path == "/v1/models":
+                    self._send({"data": [{"id": "tiny"}]})
+                elif self.path == "/props" and kind == "llama-server":
+                    self._send({"default_generation_settings": {}, "n_ctx": 128})
+                elif self.path == "/openapi.json" and kind == "vllm":
+                    self._send({"paths": {"/tokenize": {}, "/v1/completions": {}}})
+                else:
+                    self._send({"error": "not found"}, 404)
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path == "/v1/completions" and kind == "vllm":
+                    self._send(_vllm_answer(llama_engine, body))
+                elif self.path == "/completion" and kind == "llama-server":
+                    self._send(_llama_server_answer(llama_engine, body))
+                elif self.path == "/tokenize":
+                    text = body.get("prompt", body.get("content"))
+                    self._send({"tokens": llama_engine.tokenize(text)})
+                else:
+                    self._send({"error": "not found"}, 404)
+
+            def log_message(self, *args):
+                pass
+
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}/v1"
+
+    yield start
+    for s in servers:
+        s.shutdown()
+        s.server_close()
+
+
+@pytest.mark.parametrize("kind", ["vllm", "llama-server"])
+def test_dialect_tables_line_up_with_the_real_distributions(dialect_server, llama_engine, prompts, kind):
+    url = dialect_server(kind)
+    engine = HttpEngine(url, vocab_size=llama_engine.vocab_size, options=HttpOptions(timeout_s=30, top_k=K))
+    assert engine.kind == kind  # detected, not forced
+    tokens = engine.tokenize(prompts[0])[:8]
+    local = llama_engine.score(tokens)
+    remote = engine.score(tokens)
+    m = collect([(local, remote)])
+    # every row: vLLM's prompt_logprobs give rows 0..T-2 and its first sampled token row T-1;
+    # llama-server answers one request per prefix
+    assert m.n == len(tokens) and m.agree.all() and m.kl.max() < 1e-6
+    gen = engine.generate(tokens, 3)
+    assert list(gen.generated[:1]) == [int(local.argmax()[-1])]
+
+
+def test_vllm_batch_scores_each_prompt_in_its_own_choice(dialect_server, llama_engine, prompts):
+    engine = HttpEngine(dialect_server("vllm"), vocab_size=llama_engine.vocab_size, options=HttpOptions(top_k=K))
+    seqs = [engine.tokenize(p)[:6] for p in prompts]
+    batch = engine.score_batch(seqs)
+    for seq, table in zip(seqs, batch):
+        m = collect([(llama_engine.score(seq), table)])
+        assert m.agree.all() and m.kl.max() < 1e-6
