@@ -24,6 +24,7 @@ COMMANDS = [
     "shard",
     "compare",
     "diagnose",
+    "demo",
 ]
 
 
