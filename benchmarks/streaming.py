@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -86,10 +85,13 @@ def drop_cache(path: Path) -> None:
         os.close(fd)
 
 
-def rss_mb() -> float:
+def rss_mb(field: str = "VmRSS") -> float:
+    """This process's resident set (VmRSS) or its high-water mark (VmHWM), MiB. VmHWM, not
+    getrusage's ru_maxrss: Linux carries ru_maxrss over fork + exec, so a child would report
+    the parent's peak (the builder holds the whole file in memory before writing it)."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -129,7 +131,7 @@ def child(path: Path, n_tokens: int) -> None:
         with torch.no_grad():
             logits = ref.prefill(tokens, trace=False)
     ref_s = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = rss_mb("VmHWM")
     head_chunk_mb = 16384 * D * 4 / 2**20
     print(json.dumps(dict(read_s=read_s, ref_s=ref_s, peak_mb=peak, baseline_mb=baseline,
                           layer_raw_mb=layer_mb, layer_fp32_mb=layer_params * 4 / 2**20,

@@ -99,6 +99,7 @@ class ReferenceModel:
         """cos, sin [T, n_rot/2] for these positions."""
         return rope_cos_sin(positions, self.inv_freq, self.dtype)
 
+    @torch.no_grad()
     def run_layer(self, i: int, hidden_in: Tensor, positions: Tensor | list[int] | None = None,
                   cache: KVCache | None = None, shared_topk: Tensor | None = None,
                   release: bool = True) -> LayerOutput:
@@ -138,6 +139,7 @@ class ReferenceModel:
         return torch.cat(chunks, dim=-1)
 
     # -- whole passes ----------------------------------------------------------------
+    @torch.no_grad()
     def forward(self, tokens: list[int], cache: KVCache | None = None,
                 keep_layers: bool = False) -> tuple[Tensor, list[LayerOutput], Tensor]:
         """New tokens (after whatever the cache holds) -> (logits [T, V], layer outputs, embeddings)."""
