@@ -36,7 +36,7 @@ def test_registry_is_consistent():
         assert fault.component in ORDER, name
         assert fault.layers_component is None or fault.layers_component in ORDER, name
         assert fault.archs <= faults.ALL_ARCHS and fault.archs, name
-        assert fault.stage in ("weights", "layers", "paths", "sanity"), name
+        assert fault.stage in ("weights", "layers", "paths", "logits"), name
 
 
 def test_unknown_and_inapplicable_faults_are_usage_errors(llama):

@@ -352,6 +352,8 @@ def _localize(i: int, runs, reference, baseline_reference, kinds: set[str], opts
     base_rep = _Replayer(baseline_reference, i) if baseline_reference is not None else None
     attn_err, attn_base, ffn_err, ffn_base = _Err(), _Err(), _Err(), _Err()
     jac, n_jac, ov, n_ov = 0.0, 0, 0.0, 0
+    jac_worst: dict = {"value": 2.0}
+    ov_worst: dict = {"value": 2.0}
     fit_num = fit_den = 0.0
     fit_res = _Err()
     cases = []  # per sequence: (n, target, routed) for the routed-scale fit
@@ -396,8 +398,12 @@ def _localize(i: int, runs, reference, baseline_reference, kinds: set[str], opts
                     eng_ids = torch.as_tensor(np.asarray(eng_ids)).to(torch.int64)
                     for t in torch.nonzero(keep_f).flatten().tolist():
                         a, b = set(eng_ids[t].tolist()), set(ids[t].tolist())
-                        jac += len(a & b) / max(len(a | b), 1)
+                        j = len(a & b) / max(len(a | b), 1)
+                        jac += j
                         n_jac += 1
+                        if j < jac_worst["value"]:
+                            jac_worst = {"value": j, "sequence": n, "position": t, "engine": sorted(a),
+                                         "reference": sorted(b)}
                 # routed-scale fit: f_eng - shared = alpha * routed
                 target = f_eng - (shexp if shexp is not None else 0.0)
                 r = routed[keep_f] if keep_f is not None else routed
@@ -424,8 +430,12 @@ def _localize(i: int, runs, reference, baseline_reference, kinds: set[str], opts
                 a = {x for x in eng_topk[t].tolist() if x >= 0}
                 b = {x for x in out.topk[t].tolist() if x >= 0}
                 if b:
-                    ov += len(a & b) / len(b)
+                    o = len(a & b) / len(b)
+                    ov += o
                     n_ov += 1
+                    if o < ov_worst["value"]:
+                        ov_worst = {"value": o, "sequence": n, "position": t, "missing": sorted(b - a)[:16],
+                                    "extra": sorted(a - b)[:16]}
         hyp_inputs.append((n, h_in, shared, a_eng, f_eng, h64, h_out))
 
     results: list[Result] = []
@@ -439,12 +449,13 @@ def _localize(i: int, runs, reference, baseline_reference, kinds: set[str], opts
     # --- indexer agreement (reported whatever the attention says)
     if n_ov:
         overlap = ov / n_ov
-        st = {"mean_overlap": overlap, "positions": n_ov, "limit": opts.indexer_min_overlap}
+        st = {"mean_overlap": overlap, "positions": n_ov, "error": 1 - overlap, "baseline": 0.0,
+              "limit": 1 - opts.indexer_min_overlap, "ratio": None}
         if overlap < opts.indexer_min_overlap:
             results.append(failed("layers.indexer", "indexer",
                                   f"layer {i}: indexer top-k overlaps the reference's by {overlap:.1%} "
                                   f"(limit {opts.indexer_min_overlap:.0%}) on the engine's own input",
-                                  layer=i, stats=st))
+                                  layer=i, stats=st, worst=ov_worst))
         else:
             results.append(passed("layers.indexer", "indexer", f"layer {i}: indexer top-k overlap {overlap:.1%}",
                                   layer=i, stats=st))
@@ -480,11 +491,13 @@ def _localize(i: int, runs, reference, baseline_reference, kinds: set[str], opts
     ffn_bad = not ffn_err.value <= f_limit
     if moe_layer and n_jac:
         mean_jac = jac / n_jac
-        st = {"mean_jaccard": mean_jac, "positions": n_jac, "limit": opts.router_min_jaccard}
+        st = {"mean_jaccard": mean_jac, "positions": n_jac, "error": 1 - mean_jac, "baseline": 0.0,
+              "limit": 1 - opts.router_min_jaccard, "ratio": None}
         if mean_jac < opts.router_min_jaccard:
             results.append(failed("layers.router", "moe-router",
                                   f"layer {i}: selected experts agree with the reference by Jaccard {mean_jac:.2f} "
-                                  f"(limit {opts.router_min_jaccard}) on the engine's own FFN input", layer=i, stats=st))
+                                  f"(limit {opts.router_min_jaccard}) on the engine's own FFN input", layer=i, stats=st,
+                                  worst=jac_worst))
             named = True
             ffn_bad = None  # the router explains the FFN difference: no separate FFN verdict
         else:

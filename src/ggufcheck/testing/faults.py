@@ -332,7 +332,7 @@ class Fault:
     component: str  # the verdict with every capability exposed (vocabulary name)
     description: str
     archs: frozenset[str]
-    stage: str  # the stage that must name it: "weights", "layers", "paths" or "logits"/"sanity"
+    stage: str  # the stage that must name it: "weights", "layers", "paths" or "logits"
     build: Callable[..., tuple[ModelPatch, int | None]] = field(repr=False, compare=False)
     layers_component: str | None = None  # what the layers stage names when weights are hidden
     per_layer: bool = False  # the fault sits in ONE layer (``layer=`` chooses which)
@@ -548,7 +548,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
        layers_component="indexer"),
     _f("kv-cache-corrupt-decode", "decode", ALL_ARCHS, "paths",
        "decode writes the KV cache to the wrong slot from decode step `after` (default 2); prefill correct"),
-    _f("flat-output", "output", ALL_ARCHS, "sanity",
+    _f("flat-output", "output", ALL_ARCHS, "logits",
        "near-uniform served distributions over healthy layers (engines.faults.FlatDistribution)"),
     _f("qk-permutation-missing", "weights", frozenset({"llama"}), "weights",
        "llama attn_q / attn_k loaded without undoing the converter's permutation (HF NEOX rope on NORM rows)",

@@ -1,0 +1,234 @@
+"""The layers stage names each injected fault's component and layer; healthy engines pass.
+
+Every fault of ``ggufcheck.testing.faults`` on the tiny converted models it applies to
+(llama, deepseek2, glm-dsa; glm4moe for the MoE faults): the layers stage alone (weights
+hidden) must name ``fault.layers_component`` at ``fault_layer``; faults that live in the
+loaded weights are also run through the weights audit, and the two served-path faults (KV
+cache on decode, flat output) through the compare stages, and the verdict of all stages in
+order (``diagnose.verdict.decide``) must be ``fault.component``. Healthy engines (the
+reference in fp32; transformers through engines.hf) must pass over several prompts.
+
+fp64 reference, fp32 baseline, CPU; prompts longer than glm-dsa's top_k (8).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ggufcheck.checks.layers import LayerOptions, run_layers_stage
+from ggufcheck.diagnose.verdict import decide
+from ggufcheck.results import StageReport, Status
+from ggufcheck.testing.faults import FAULTS, fault_layer, make_faulty_engine
+
+LAYER_FAULTS = {  # arch -> the faults the layers stage must name on it
+    "llama": ["rope-pairing-swapped", "norm-eps-wrong", "attention-scale-wrong", "qk-permutation-missing",
+              "block-scale-corrupted"],
+    "deepseek2": ["kv-b-all-k-then-v", "kv-b-v-before-k", "experts-permuted", "router-bias-ignored",
+                  "routed-scale-twice", "routed-scale-never", "rope-pairing-swapped", "norm-eps-wrong",
+                  "attention-scale-wrong", "block-scale-corrupted"],
+    "glm-dsa": ["kv-b-all-k-then-v", "indexer-ignored", "experts-permuted", "router-bias-ignored",
+                "routed-scale-twice", "rope-pairing-swapped", "norm-eps-wrong", "attention-scale-wrong"],
+    "glm4moe": ["experts-permuted", "router-bias-ignored", "routed-scale-never"],
+}
+CASES = [(arch, name) for arch, names in LAYER_FAULTS.items() for name in names]
+
+
+def _prompts(seed: int, lengths=(16, 11)) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(1, 49000, n)] for n in lengths]
+
+
+class _Models:
+    """fp64 reference and fp32 baseline of one tiny converted model (opened once)."""
+
+    def __init__(self, path, **options):
+        from ggufcheck.reference.model import ReferenceModel
+
+        self.path = path
+        self.ref = ReferenceModel(path, dtype="fp64", **options)
+        self.base = ReferenceModel(path, dtype="fp32", **options)
+
+    def layers(self, engine, prompts, options=None) -> StageReport:
+        return run_layers_stage(engine, self.ref, prompts, baseline_reference=self.base, options=options)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_converted):
+    cache: dict[str, _Models] = {}
+
+    def get(arch: str) -> _Models:
+        if arch not in cache:
+            cache[arch] = _Models(tiny_converted(arch).gguf_path)
+        return cache[arch]
+
+    return get
+
+
+def _weights_stage(engine, path) -> StageReport:
+    """The weights audit of the engine's loaded parameters (what diagnose's weights stage runs)."""
+    import torch
+
+    from ggufcheck.arch.spec import spec_for_model
+    from ggufcheck.arch.tables import table_for
+    from ggufcheck.gguf.reader import open_gguf
+    from ggufcheck.sharding.weights import check_loaded_weights, hf_params
+
+    report = StageReport("weights")
+    with open_gguf(path) as model:
+        spec, _ = spec_for_model(model)
+        table = table_for(spec)
+        names = sorted(hf_params(spec, table, model.tensors))
+        tp = engine.capabilities.tp_size
+        loaded = {r: {n: torch.as_tensor(engine.weight(n, rank=r)) for n in names} for r in range(tp)}
+        report.add(check_loaded_weights(model, spec, table, loaded, tp))
+    return report
+
+
+def _fault_kwargs(arch: str, name: str) -> dict:
+    if name == "norm-eps-wrong" and arch == "glm4moe":
+        return {"eps": 1e-3}  # glm4moe's larger activations hide a 1e-5 <-> 1e-6 change below fp32 noise
+    return {}
+
+
+@pytest.mark.parametrize("arch,name", CASES, ids=[f"{a}-{n}" for a, n in CASES])
+def test_layers_stage_names_the_fault(models, arch, name):
+    m = models(arch)
+    fault = FAULTS[name]
+    engine = make_faulty_engine(name, m.path, expose_weights=False, **_fault_kwargs(arch, name))
+    report = m.layers(engine, _prompts(1))
+    verdict = decide([report])
+    want_layer = fault_layer(name, m.path)
+    assert (verdict.component, verdict.layer) == (fault.layers_component, want_layer), verdict.message
+    rows = report.info["per_layer"]
+    assert [r["layer"] for r in rows] == list(range(m.ref.cfg.n_layer))
+    assert all(r["error"] <= r["limit"] for r in rows[:want_layer])  # healthy layers before it pass
+    assert rows[want_layer]["error"] > 100 * rows[want_layer]["baseline"]
+    fail = next(r for r in report.results if r.status == Status.FAIL and r.component == verdict.component)
+    assert fail.stats["error"] > fail.stats["limit"] and fail.worst is not None
+    engine.close()
+
+
+WEIGHT_FAULTS = [("deepseek2", "kv-b-all-k-then-v", {"tp": 2}), ("glm-dsa", "kv-b-all-k-then-v", {"tp": 2}),
+                 ("deepseek2", "kv-b-v-before-k", {}), ("llama", "qk-permutation-missing", {}),
+                 ("llama", "block-scale-corrupted", {}), ("deepseek2", "block-scale-corrupted", {"mode": "nan"})]
+
+
+@pytest.mark.parametrize("arch,name,kw", WEIGHT_FAULTS, ids=[f"{a}-{n}" for a, n, _ in WEIGHT_FAULTS])
+def test_weights_then_layers_name_the_fault(models, arch, name, kw):
+    """With loaded weights exposed, the weights stage (before layers) names the parameter."""
+    m = models(arch)
+    engine = make_faulty_engine(name, m.path, **kw)
+    stages = [_weights_stage(engine, m.path), m.layers(engine, _prompts(2))]
+    verdict = decide(stages)
+    assert verdict.stage == "weights", verdict.message
+    assert (verdict.component, verdict.layer) == (FAULTS[name].component, fault_layer(name, m.path)), verdict.message
+    assert stages[1].status == Status.FAIL  # the computation is wrong too
+    engine.close()
+
+
+def test_kv_b_fault_is_silent_at_tp1(models):
+    """[all K; all V] with the patched split is exact at TP 1: every stage must pass."""
+    m = models("deepseek2")
+    engine = make_faulty_engine("kv-b-all-k-then-v", m.path, tp=1)
+    verdict = decide([_weights_stage(engine, m.path), m.layers(engine, _prompts(3))])
+    assert verdict.healthy, verdict.message
+    engine.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "glm-dsa"])
+def test_served_faults_pass_layers_and_fail_their_stage(models, arch):
+    """KV-cache corruption on decode and flat output do not show in the layers; the paths /
+    logits stages name them."""
+    from ggufcheck.checks.compare import CompareOptions, run_compare
+    from ggufcheck.engines.reference import ReferenceEngine
+
+    m = models(arch)
+    prompts = _prompts(4)
+    reference = ReferenceEngine(m.path, dtype="fp64")
+    for name in ("kv-cache-corrupt-decode", "flat-output"):
+        engine = make_faulty_engine(name, m.path)
+        layers = m.layers(engine, prompts)
+        assert layers.status == Status.PASS, [r.message for r in layers.failures]
+        served = run_compare(engine, prompts, reference=reference,
+                             options=CompareOptions(max_new_tokens=5, run_sanity=False, chunk_sizes=()))
+        verdict = decide([layers, *served])
+        assert verdict.component == FAULTS[name].component, verdict.message
+        assert verdict.stage == FAULTS[name].stage
+        engine.close()
+    reference.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek2", "glm-dsa", "glm4moe"])
+def test_healthy_reference_fp32_passes(models, arch):
+    from ggufcheck.engines.reference import ReferenceEngine
+
+    m = models(arch)
+    engine = ReferenceEngine(m.path, dtype="fp32")
+    for seed in (5, 6, 7):
+        report = m.layers(engine, _prompts(seed, (19, 9, 3)))
+        assert decide([report]).healthy, [r.message for r in report.failures]
+        ratios = [r["ratio"] for r in report.info["per_layer"]]
+        assert all(r is not None and r <= 1.5 for r in ratios), ratios  # same arithmetic as the baseline
+    engine.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek2", "glm-dsa"])
+def test_healthy_transformers_passes(tiny_converted, arch):
+    """transformers (engines.hf) is an independent implementation: no false alarm. For glm-dsa
+    the reference is told transformers' hard-coded q_a / kv_a norm eps (1e-6, the file says
+    1e-5; see reference/config.py); with the file's eps the stage names exactly that."""
+    pytest.importorskip("transformers")
+    from ggufcheck.engines.hf import HFEngine
+
+    path = tiny_converted(arch).gguf_path
+    engine = HFEngine.from_gguf(path)
+    options = {"lora_norm_eps": 1e-6} if arch == "glm-dsa" else {}
+    m = _Models(path, **options)
+    for seed in (8, 9):
+        report = m.layers(engine, _prompts(seed, (17, 10)))
+        assert decide([report]).healthy, [r.message for r in report.failures]
+        assert all(r["ratio"] <= 3 for r in report.info["per_layer"]), report.info["per_layer"]
+    if arch == "glm-dsa":
+        verdict = decide([_Models(path).layers(engine, _prompts(8))])
+        assert (verdict.component, verdict.layer) == ("norm", 0), verdict.message
+        assert "1e-06" in verdict.message
+    engine.close()
+
+
+def test_unmatched_corruption_names_the_block(models):
+    """A change no hypothesis describes (a huge block in attn_output, layers only) is named by
+    its block, not forced onto a finer component."""
+    m = models("deepseek2")
+    engine = make_faulty_engine("block-scale-corrupted", m.path, layer=1, expose_weights=False,
+                                tensor="blk.1.attn_output.weight")
+    verdict = decide([m.layers(engine, _prompts(10))])
+    assert (verdict.component, verdict.layer) == ("attention", 1), verdict.message
+    engine.close()
+
+
+def test_engine_without_layer_outputs_is_skipped(models):
+    from ggufcheck.engines.base import Capabilities, Engine, reasons
+
+    class ScoreOnly(Engine):
+        capabilities = Capabilities(score=True, reasons=reasons(layer_outputs="a server: logprobs only"))
+
+        def score(self, tokens, *, top_k=20):
+            raise AssertionError("not called")
+
+    report = m_layers = models("llama").layers(ScoreOnly(), _prompts(0))
+    assert report.status == Status.SKIP and "logprobs only" in m_layers.results[0].message
+
+
+def test_thresholds_are_stated_and_applied(models):
+    """The limit is max(multiple * baseline, floor, allowance); a bf16-class engine gets the
+    allowance (so a fault below it is not flagged), a fp32 one does not."""
+    m = models("llama")
+    engine = make_faulty_engine("norm-eps-wrong", m.path, expose_weights=False)
+    opts = LayerOptions()
+    report = m.layers(engine, _prompts(11))
+    for row in report.info["per_layer"]:
+        assert row["limit"] == max(opts.multiple * row["baseline"], opts.floor)
+    loose = m.layers(engine, _prompts(11), LayerOptions(floor=0.5))
+    assert loose.status == Status.PASS
+    engine.close()
