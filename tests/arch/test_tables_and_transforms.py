@@ -198,3 +198,20 @@ def test_eval_dim():
     with pytest.raises(ValueError):
         eval_dim("__import__('os')", dims)
     assert set(TABLES) == {"llama", "qwen2", "qwen3", "glm4moe", "deepseek2", "glm-dsa"}
+
+
+def test_legacy_and_lite_deepseek2_layouts():
+    """Legacy files (no *_length_mla keys) keep one attn_kv_b; V2-Lite (no q_lora) has attn_q."""
+    from ggufcheck.arch.known import deepseek_v3_metadata
+
+    meta = deepseek_v3_metadata()
+    del meta["deepseek2.attention.key_length_mla"], meta["deepseek2.attention.value_length_mla"]
+    del meta["deepseek2.attention.q_lora_rank"]
+    meta.update({"deepseek2.attention.key_length": 192, "deepseek2.attention.value_length": 128,
+                 "deepseek2.attention.head_count_kv": 128})
+    spec = spec_from_metadata(meta)
+    exp = expected_tensors(spec, table_for(spec))
+    assert exp["blk.0.attn_kv_b.weight"].shape == (128 * 256, 512)
+    assert exp["blk.0.attn_q.weight"].shape == (128 * 192, 7168)
+    assert not any(n.startswith("blk.0.attn_k_b") or n.startswith("blk.0.attn_q_a") for n in exp)
+    assert exp["blk.0.attn_kv_b.weight"].row.shard.unit_size(spec) == 256  # one head's P+V rows
