@@ -215,6 +215,13 @@ def test_unknown_architecture_is_generic(gemma3_path=None):
     assert build_spec({})[1][0].key == "general.architecture"
 
 
+def test_mixtral_style_llama_is_generic_not_a_false_finding():
+    meta = {"general.architecture": "llama", "llama.embedding_length": 64, "llama.block_count": 2,
+            "llama.expert_count": 8, "llama.attention.head_count": 4}
+    spec, findings = build_spec(meta)
+    assert not findings and isinstance(spec, GenericSpec) and "Mixtral" in spec.reason
+
+
 def test_real_gemma3_file_is_generic():
     from ggufcheck.errors import Unavailable
     from ggufcheck.gguf.reader import open_gguf

@@ -265,6 +265,11 @@ def build_spec(metadata: Mapping[str, Any], tensor_names: Iterable[str] | None =
         return None, [Finding("general.architecture", f"missing or not a string: {arch!r}")]
     if arch not in SUPPORTED:
         return _generic(metadata, arch, tied), []
+    if arch in ("llama", "qwen2", "qwen3") and f"{arch}.expert_count" in metadata:
+        # Mixtral-style MoE under a dense architecture name: no table (and a dense table
+        # would report every expert tensor as unexpected, which would be a false finding)
+        return _generic(metadata, arch, tied, reason=f"{arch} with {arch}.expert_count (a "
+                        "Mixtral-style MoE) has no spec or tensor table in ggufcheck yet"), []
     keys = Keys(metadata, arch)
     spec = _build(keys, arch, tied)
     if keys.findings or spec is None:
@@ -302,7 +307,8 @@ def spec_results(spec: ArchSpec | GenericSpec | None, findings: list[Finding]) -
                    f"H {spec.n_head}/{spec.n_head_kv}, vocab {spec.n_vocab}{note}")]
 
 
-def _generic(metadata: Mapping[str, Any], arch: str, tied: bool | None) -> GenericSpec:
+def _generic(metadata: Mapping[str, Any], arch: str, tied: bool | None,
+             reason: str | None = None) -> GenericSpec:
     def num(name: str) -> int | None:
         v = metadata.get(f"{arch}.{name}")
         return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v == int(v) else None
@@ -310,8 +316,8 @@ def _generic(metadata: Mapping[str, Any], arch: str, tied: bool | None) -> Gener
     tokens = metadata.get("tokenizer.ggml.tokens")
     head_kv = metadata.get(f"{arch}.attention.head_count_kv")
     return GenericSpec(
-        arch=arch, reason=f"ggufcheck has no spec or tensor table for architecture {arch!r} "
-        f"(supported: {', '.join(SUPPORTED)})",
+        arch=arch, reason=reason or f"ggufcheck has no spec or tensor table for architecture "
+        f"{arch!r} (supported: {', '.join(SUPPORTED)})",
         n_embd=num("embedding_length"), n_block=num("block_count"),
         n_vocab=num("vocab_size") or (len(tokens) if isinstance(tokens, list) else None),
         n_head=num("attention.head_count"),
