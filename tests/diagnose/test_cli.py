@@ -1,0 +1,61 @@
+"""``ggufcheck diagnose`` and ``ggufcheck demo`` end to end: verdicts, reports, exit statuses."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ggufcheck.cli import main
+from ggufcheck.testing.tiny import build_tiny_gguf
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return build_tiny_gguf("llama", tmp_path_factory.mktemp("m") / "tiny-llama.gguf", qtypes="Q8_0").path
+
+
+def test_demo_names_both_verdicts(capsys):
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert "healthy engine -> healthy" in out
+    assert "faulty engine -> mla-kv-b" in out
+
+
+def test_healthy_engine_exit_0_with_reports(tiny_llama, tmp_path):
+    js, page = tmp_path / "d.json", tmp_path / "d.html"
+    status = main(["diagnose", str(tiny_llama), "--engine", "reference:fp32", "--no-sanity",
+                   "--max-prompts", "2", "--max-tokens", "20", "--json", str(js), "--html", str(page)])
+    doc = json.loads(js.read_text())
+    assert status == 0, doc["verdict"]
+    assert doc["schema_version"] == 1 and doc["verdict"]["healthy"] is True
+    assert doc["verdict"]["component"] is None
+    stages = [s["stage"] for s in doc["stages"]]
+    assert stages.index("file") < stages.index("layers") < stages.index("logits")
+    assert "<svg" in page.read_text()
+
+
+def test_faulty_engine_exit_1_names_component(tiny_llama, tmp_path):
+    from ggufcheck.testing.faults import make_faulty_engine
+    from ggufcheck.diagnose.plan import DiagnoseOptions, diagnose
+
+    with make_faulty_engine("rope-pairing-swapped", tiny_llama) as engine:
+        d = diagnose(DiagnoseOptions(model=tiny_llama, max_prompts=2, max_tokens=20, sanity=False), engine=engine)
+    assert (d.verdict.component, d.verdict.layer) == ("rope", 0)
+
+
+def test_unreadable_model_exit_2(tmp_path, capsys):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 40)
+    assert main(["diagnose", str(bad), "--engine", "reference"]) == 2
+    assert "bad.gguf" in capsys.readouterr().err
+
+
+def test_unreachable_engine_exit_3(tiny_llama, capsys):
+    assert main(["diagnose", str(tiny_llama), "--engine", "http://127.0.0.1:9", "--no-health"]) == 3
+    assert "127.0.0.1:9" in capsys.readouterr().err
+
+
+def test_bad_options_exit_2(tiny_llama):
+    assert main(["diagnose", str(tiny_llama), "--tp", "0"]) == 2
+    assert main(["diagnose", str(tiny_llama), "--engine", "nonsense"]) == 2
