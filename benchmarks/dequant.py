@@ -15,6 +15,7 @@ slice of the benchmark data against gguf-py on the CPU.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -33,7 +34,15 @@ def _transformers_dequant():
     try:
         from transformers.integrations.gguf import dequant as hf
     except Exception as err:
-        return None, f"unavailable: {type(err).__name__}: {err}"
+        copy = os.environ.get("HF_GGUF_DEQUANT_FILE")  # that module's file, carried to a machine lacking it
+        if not copy:
+            return None, f"unavailable: {type(err).__name__}: {err}"
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("hf_gguf_dequant", copy)
+        hf = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(hf)
+        return hf, f"integrations/gguf/dequant.py loaded from {copy}"
     return hf, ""
 
 
@@ -43,6 +52,7 @@ def _timed(fn, *args) -> float:
     return time.perf_counter() - t
 
 
+GPU_GOAL_TYPES = (Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)  # issue 3's >= 60% of copy bandwidth list
 ROW_ELEMENTS = 4096  # a typical hidden size: the benchmark tensors are (n_rows, 4096) values
 
 
@@ -96,21 +106,158 @@ def cpu_table(types: list[Q], mb: float, repeats: int) -> int:
     return 1 if failures else 0
 
 
+def gpu_table(types: list[Q] | None, mb: float, real_npz: str = "", sweep: bool = False) -> int:
+    """Copy bandwidth, then per type: correctness on the GPU and GB/s of ours vs transformers."""
+    import torch
+    import triton
+    from triton.testing import do_bench
+
+    from ggufcheck.gguf.quants import dequantize_torch, gpu
+
+    dev = torch.device("cuda")
+    hf, why = _transformers_dequant()
+    print(f"GPU: {torch.cuda.get_device_name(dev)}; torch {torch.__version__}; triton {triton.__version__}; "
+          f"transformers {why or 'integrations.gguf.dequant'}")
+    n_copy = 2 << 30
+    src = torch.randint(0, 256, (n_copy,), dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    copy_gbs = 2 * n_copy / (do_bench(lambda: dst.copy_(src), return_mode="median") * 1e-3) / 1e9
+    del src, dst
+    print(f"device-to-device copy: {copy_gbs:.0f} GB/s (bytes read + written, 2 GiB buffer)")
+    real = dict(np.load(real_npz)) if real_npz else {}
+    failures = 0
+    lines = []
+    for qtype in types or list(gpu.KERNELS):
+        try:
+            line, ok = _gpu_row(qtype, mb, copy_gbs, hf, real, dev, do_bench, dequantize_torch, gpu)
+        except Exception as err:  # keep measuring the other types
+            line, ok = f"{qtype.name:8} ERROR {type(err).__name__}: {str(err)[:300]}", False
+        failures += not ok
+        lines.append(line)
+        print(line, flush=True)
+    print(f"\n{'type':8} {'transf. GB/s':>12} {'ours f32':>9} {'% copy':>7} {'ours bf16':>9} {'% copy':>7} "
+          f"{'x transf.':>9}  checks")
+    for line in lines:
+        print(line.split("|", 1)[-1] if "|" in line else line)
+    if sweep:
+        _sweep([q for q in (types or GPU_GOAL_TYPES) if q in gpu.KERNELS], mb, copy_gbs, dev, do_bench, gpu)
+        _fusion_demo(dev, gpu)
+    print(f"(copy {copy_gbs:.0f} GB/s; {mb:g} MB quantized input per type; GB/s = (bytes read + written) / time, "
+          "median of triton.testing.do_bench)")
+    return 1 if failures else 0
+
+
+def _sweep(types, mb, copy_gbs, dev, do_bench, gpu) -> None:
+    """f32 GB/s for other launch shapes (blocks per program x warps), to tune gpu.KERNELS."""
+    import dataclasses
+
+    import torch
+
+    print("\nlaunch sweep (f32 output, % of copy):")
+    for qtype in types:
+        base = gpu.KERNELS[qtype]
+        block, size = tables.block_geometry(qtype)
+        raw = torch.from_numpy(_tensor(qtype, float(os.environ.get("DEQUANT_BASE_MB", 16)))).to(dev)
+        data = raw.repeat(max(1, int(mb * 2**20) // raw.numel()), 1)
+        n_bytes = data.numel() + 4 * (data.numel() // size * block)
+        cells = []
+        for blk in (base.blk, base.blk * 2, base.blk * 4):
+            for warps in (4, 8):
+                launch = dataclasses.replace(base, blk=blk, num_warps=warps)
+                try:
+                    t = do_bench(lambda: gpu.dequantize(data, qtype, torch.float32, launch=launch),
+                                 return_mode="median") * 1e-3
+                    cells.append(f"{blk}x{warps}:{n_bytes / t / 1e9 / copy_gbs:.0%}")
+                except Exception as err:
+                    cells.append(f"{blk}x{warps}:{type(err).__name__}")
+        print(f"  {qtype.name:8} " + " ".join(cells), flush=True)
+        del data
+
+
+def _fusion_demo(dev, gpu) -> None:
+    """What enable_fp_fusion=True (Triton's default) would do to bit-exactness."""
+    import torch
+
+    gpu._launch_options["enable_fp_fusion"] = True
+    try:
+        for qtype in (Q.Q4_1, Q.Q4_K, Q.Q2_K):
+            block, _ = tables.block_geometry(qtype)
+            fuzz = samples.realistic_blocks(qtype, 8192, seed=3)
+            ref = gguf.quants.dequantize(fuzz, qtype)
+            out = gpu.dequantize(torch.from_numpy(fuzz).to(dev), qtype).cpu().numpy()
+            print(f"with FMA fusion on: {compare.compare_blocks(out, ref, block, qtype.name)}")
+    finally:
+        gpu._launch_options["enable_fp_fusion"] = False
+
+
+def _gpu_row(qtype, mb, copy_gbs, hf, real, dev, do_bench, dequantize_torch, gpu):
+    import torch
+
+    block, size = tables.block_geometry(qtype)
+    checks = []
+    # 1. fuzz blocks (NaN/Inf/subnormal scales) in three output dtypes vs gguf-py on the CPU
+    fuzz = samples.fuzz_blocks(qtype, 8192, seed=int(qtype) + 11)
+    with np.errstate(all="ignore"):
+        ref = torch.from_numpy(gguf.quants.dequantize(fuzz, qtype))
+    on_dev = torch.from_numpy(fuzz).to(dev)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        out = dequantize_torch(on_dev, qtype, dtype).cpu().float().numpy()
+        result = compare.compare_blocks(out, ref.to(dtype).float().numpy(), block, f"fuzz {dtype}")
+        checks.append(result)
+    # 2. the benchmark data: a 16 MB base (checked vs gguf-py), tiled on the device to ~mb MB
+    base = _tensor(qtype, float(os.environ.get("DEQUANT_BASE_MB", 16)))
+    with np.errstate(all="ignore"):
+        base_ref = gguf.quants.dequantize(base, qtype)
+    raw = torch.from_numpy(base).to(dev)
+    full = dequantize_torch(raw, qtype)
+    checks.append(compare.compare_blocks(full.cpu().numpy(), base_ref, block, "bench data"))
+    a, b = raw.shape[0] // 3, raw.shape[0] // 3 + 3
+    part = dequantize_torch(raw[a:b], qtype)
+    checks.append(compare.compare_blocks(part.cpu().numpy(), full[a:b].cpu().numpy(), block, "row slice"))
+    # 3. real tensors carried from the registry models
+    for key, value in real.items():
+        if key.split("__")[0] == qtype.name:
+            with np.errstate(all="ignore"):
+                r = gguf.quants.dequantize(value, qtype)
+            out = dequantize_torch(torch.from_numpy(value).to(dev), qtype).cpu().numpy()
+            checks.append(compare.compare_blocks(out, r, block, f"real {key.split('__', 1)[1]}"))
+    tiles = max(1, int(mb * 2**20) // base.nbytes)
+    data = raw.repeat(tiles, 1)  # (tiles * n_rows, row_bytes)
+    n_in = data.numel()
+    n_out = n_in // size * block
+    t32 = do_bench(lambda: gpu.dequantize(data, qtype, torch.float32), return_mode="median") * 1e-3
+    t16 = do_bench(lambda: gpu.dequantize(data, qtype, torch.bfloat16), return_mode="median") * 1e-3
+    g32 = (n_in + 4 * n_out) / t32 / 1e9
+    g16 = (n_in + 2 * n_out) / t16 / 1e9
+    hf_txt, ratio = f"{'-':>12}", f"{'-':>9}"
+    if hf is not None and int(qtype) in hf.GGML_BLOCK:
+        flat = data.reshape(-1)
+        t_hf = do_bench(lambda: hf.dequantize(flat, int(qtype), torch.float32), return_mode="median") * 1e-3
+        g_hf = (n_in + 4 * n_out) / t_hf / 1e9
+        hf_txt, ratio = f"{g_hf:12.0f}", f"{t_hf / t32:8.1f}x"
+    del data
+    ok = all(checks)
+    summary = "all bit-exact" if ok else "; ".join(str(c) for c in checks if not c)
+    line = (f"{qtype.name:8} {hf_txt} {g32:9.0f} {g32 / copy_gbs:6.0%} {g16:9.0f} {g16 / copy_gbs:6.0%} "
+            f"{ratio}  {summary} ({len(checks)} checks)")
+    return f"{qtype.name}|{line}", ok
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--types", default="", help="comma-separated type names (default: all)")
     parser.add_argument("--mb", type=float, default=0, help="MB of quantized input per type")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sweep", action="store_true", help="(cuda) also time other launch shapes")
+    parser.add_argument("--real", default="", help="(cuda) .npz of real tensor bytes, keys '<TYPE>__<name>'")
     args = parser.parse_args(argv)
     if args.types:
         types = [Q[name.strip().upper()] for name in args.types.split(",")]
     else:
         types = list(KERNELS)
     if args.device == "cuda":
-        from ggufcheck.gguf.quants import gpu_bench
-
-        return gpu_bench.gpu_table(types if args.types else None, args.mb or 256, args.repeats)
+        return gpu_table(types if args.types else None, args.mb or 256, args.real, args.sweep)
     return cpu_table(types, args.mb or 8, args.repeats)
 
 

@@ -20,6 +20,7 @@ Imported lazily (Triton is optional); ``device.py`` falls back to CPU + copy wit
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import gguf
 import torch
@@ -255,23 +256,36 @@ def _iq4_xs(q_ptr, h_ptr, out_ptr, n_blocks, lv_ptr, BLK: tl.constexpr):
     tl.store(out_ptr + b * 256 + i * 32 + e, v.to(out_ptr.dtype.element_ty), mask=m)
 
 
-# qtype -> (kernel, blocks per program, needs the IQ4 level table)
-KERNELS = {
-    Q.Q4_0: (_q4_0, 64, False), Q.Q4_1: (_q4_1, 64, False), Q.Q5_0: (_q5_0, 64, False),
-    Q.Q5_1: (_q5_1, 64, False), Q.Q8_0: (_q8_0, 64, False), Q.IQ4_NL: (_iq4_nl, 64, True),
-    Q.Q2_K: (_q2_k, 8, False), Q.Q3_K: (_q3_k, 8, False), Q.Q4_K: (_q4_k, 8, False),
-    Q.Q5_K: (_q5_k, 8, False), Q.Q6_K: (_q6_k, 8, False), Q.IQ4_XS: (_iq4_xs, 8, True),
+@dataclass(frozen=True)
+class Launch:
+    """A kernel and its launch shape: blocks per program and warps per program."""
+
+    kernel: object
+    blk: int
+    num_warps: int = 4
+    needs_levels: bool = False  # takes the IQ4 level table
+
+
+# one row per type with a Triton kernel (launch shapes: see benchmarks/results/)
+KERNELS: dict[Q, Launch] = {
+    Q.Q4_0: Launch(_q4_0, 64), Q.Q4_1: Launch(_q4_1, 64), Q.Q5_0: Launch(_q5_0, 64),
+    Q.Q5_1: Launch(_q5_1, 64), Q.Q8_0: Launch(_q8_0, 64), Q.IQ4_NL: Launch(_iq4_nl, 64, 4, True),
+    Q.Q2_K: Launch(_q2_k, 8), Q.Q3_K: Launch(_q3_k, 8), Q.Q4_K: Launch(_q4_k, 8),
+    Q.Q5_K: Launch(_q5_k, 8), Q.Q6_K: Launch(_q6_k, 8), Q.IQ4_XS: Launch(_iq4_xs, 8, 4, True),
 }
 
 _levels: dict[torch.device, torch.Tensor] = {}
-# no FMA contraction (bit-exactness); the CPU interpreter (TRITON_INTERPRET=1) takes no options
-_launch_options: dict[str, bool] = {} if os.environ.get("TRITON_INTERPRET") == "1" else {"enable_fp_fusion": False}
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU interpreter takes no compile options
+_launch_options: dict[str, bool] = {} if _INTERPRETED else {"enable_fp_fusion": False}  # no FMA contraction
 
 
 def dequantize(raw: torch.Tensor, qtype: Q, dtype: torch.dtype = torch.float32,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-    """Contiguous uint8 CUDA tensor of whole blocks -> flat ``dtype`` values (or into ``out``)."""
-    kernel, blk, needs_levels = KERNELS[qtype]
+               out: torch.Tensor | None = None, launch: Launch | None = None) -> torch.Tensor:
+    """Contiguous uint8 CUDA tensor of whole blocks -> flat ``dtype`` values (or into ``out``).
+
+    ``launch`` overrides the table's launch shape (the benchmark's sweep uses it).
+    """
+    launch = launch or KERNELS[qtype]
     block, size = tables.block_geometry(qtype)
     flat = raw.reshape(-1)  # (n_bytes,)
     n_blocks = flat.numel() // size
@@ -282,10 +296,11 @@ def dequantize(raw: torch.Tensor, qtype: Q, dtype: torch.dtype = torch.float32,
     if flat.data_ptr() % 2:
         flat = flat.clone()  # float16 fields are read through a 2-byte view
     args = [flat, flat.view(torch.float16), out, n_blocks]
-    if needs_levels:
+    if launch.needs_levels:
         if raw.device not in _levels:
             _levels[raw.device] = torch.tensor(tables.IQ4_LEVELS, dtype=torch.float32, device=raw.device)
         args.append(_levels[raw.device])
-    grid = (triton.cdiv(n_blocks, blk),)
-    kernel[grid](*args, BLK=blk, **_launch_options)
+    grid = (triton.cdiv(n_blocks, launch.blk),)
+    options = _launch_options if _INTERPRETED else {**_launch_options, "num_warps": launch.num_warps}
+    launch.kernel[grid](*args, BLK=launch.blk, **options)
     return out
