@@ -277,7 +277,9 @@ class FaultyReferenceEngine(ReferenceEngine):
             table = table_for(spec) if isinstance(spec, ArchSpec) else None
             if table is None:
                 raise Unsupported("no arch table for this model: cannot name its HF parameters")
-            params = hf_params(spec, table, self.model.gguf.tensors)
+            present = self.model.gguf.tensors
+            params = {n: p for n, p in hf_params(spec, table, present).items()  # absent optional rows dropped
+                      if all(e.name in present for e in p.group.inputs.values())}
             if "lm_head.weight" not in params and "model.embed_tokens.weight" in params:
                 params["lm_head.weight"] = params["model.embed_tokens.weight"]
             self._hf = (spec, params)
