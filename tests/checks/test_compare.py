@@ -102,3 +102,22 @@ def test_bad_options_are_usage_errors(setup):
         compare.run(_args(str(model), "--engine", "tgi"))
     with pytest.raises(UsageError, match="unknown option"):
         compare.run(_args(str(model), "--engine", "llama-cpp:gpu_layers=3"))
+
+
+@pytest.mark.parametrize("fault, blamed", [("ShiftedPrefill", "prefill"), ("DecodeDrift", "decode"),
+                                           ("ShuffledLogits", "output")])
+def test_the_reference_names_the_broken_path(setup, fault, blamed):
+    """Prefill and decode each compared with the reference: the path that disagrees is named."""
+    from ggufcheck.checks.compare import CompareOptions, run_compare
+    from ggufcheck.engines import faults
+    from ggufcheck.engines.spec import open_engine
+
+    model, _ = setup
+    with open_engine("llama-cpp:n_ctx=64,n_threads=2", model) as llama, open_engine("reference", model) as ref:
+        engine = getattr(faults, fault)(llama)
+        seqs = [llama.tokenize(t) for t in ("The capital of France is Paris.", "1, 2, 3, 5, 8, 13, 21")]
+        stages = run_compare(engine, seqs, reference=ref,
+                             options=CompareOptions(max_new_tokens=4, run_sanity=False, chunk_sizes=()))
+    logits = {r.check: r for r in stages[1].results}
+    blame = logits["logits.path_blame"]
+    assert blame.failed and blame.component == blamed, blame.message

@@ -30,7 +30,7 @@ from ggufcheck.checks.logits import (
 from ggufcheck.checks.paths import PathOptions, run_paths
 from ggufcheck.checks.sanity import SanityLimits, run_sanity
 from ggufcheck.engines.base import Engine, TokenLogprobs
-from ggufcheck.results import StageReport, skipped
+from ggufcheck.results import Result, StageReport, failed, passed, skipped
 
 Progress = Callable[[str], None]
 
@@ -116,6 +116,14 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
         baseline = combined_baseline(measured, engine.capabilities.activation_dtype)
         metrics = collect(list(zip(ref_tables, _fit_vocab(tables, reference.vocab_size))))
         logits_stage.add(judge(metrics, baseline, options.tolerance, detokenize=_detokenizer(engine, reference)))
+        if generations:
+            say(f"scoring {len(generations)} greedy continuations on {reference.name} (decode vs reference)")
+            decode_pairs = [(reference.score(g.sequence), g.steps) for g in generations]
+            decode = judge(collect(decode_pairs), baseline, options.tolerance, component="decode")[0]
+            decode.check = "logits.decode_kl_mean"
+            decode.message = "decode steps vs the reference: " + decode.message
+            logits_stage.add(decode)
+            logits_stage.add(_which_path(logits_stage.results[0], decode))
         logits_stage.info.update({
             "reference": reference.name, "baseline": baseline.source,
             "measured_baseline": None if measured is None else vars(measured),
@@ -123,6 +131,22 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
             "positions": metrics.n, "full_vocab": metrics.full_vocab,
         })
     return [sanity_stage, logits_stage, paths_stage]
+
+
+def _which_path(prefill: Result, decode: Result) -> Result:
+    """Name the broken path when prefill and decode disagree with the reference differently."""
+    check = "logits.path_blame"
+    if prefill.failed == decode.failed:
+        state = "both fail" if prefill.failed else "both agree with the reference"
+        return passed(check, "output", f"teacher-forced prefill and step-by-step decode: {state}") if not prefill.failed \
+            else failed(check, "output", "teacher-forced prefill and step-by-step decode both disagree with the "
+                                         "reference: the fault is common to both paths (weights, kernels, model code)")
+    if prefill.failed:
+        return failed(check, "prefill", "step-by-step decode agrees with the reference but teacher-forced prefill "
+                                        "does not: the prefill / prompt-logprob path is wrong (for servers: how the "
+                                        "echoed prompt log-probs are produced or aligned)")
+    return failed(check, "decode", "teacher-forced prefill agrees with the reference but decode does not: the "
+                                   "decode path (KV cache, single-token kernels, scheduler) is wrong")
 
 
 def _short(engine: Engine) -> str:

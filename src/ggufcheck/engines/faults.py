@@ -99,3 +99,14 @@ class DecodeDrift(WrappedEngine):
             noise = self.rng.standard_normal(lp.shape[1]) * self.scale * (step + 1)
             lp[row] = log_softmax(lp[row] + noise)
         return replace(gen, steps=_full(gen.steps, lp))
+
+
+class ShiftedPrefill(WrappedEngine):
+    """Teacher-forced rows shifted by one position (row t reports row t+1), decode untouched:
+    the alignment bug of a server pairing echoed prompt entries with the wrong distribution."""
+
+    def corrupt(self, table: TokenLogprobs) -> TokenLogprobs:
+        lp = np.roll(table.logprobs, -1, axis=0)
+        present = table.present.copy()
+        present[-1] = False  # nothing to shift into the last row
+        return TokenLogprobs(table.tokens, table.vocab_size, lp, present=present)
