@@ -21,6 +21,7 @@ COMMANDS = [
     "env",
     "kernels",
     "inspect",
+    "reference",
     "shard",
     "compare",
     "diagnose",
