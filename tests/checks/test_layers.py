@@ -34,9 +34,9 @@ LAYER_FAULTS = {  # arch -> the faults the layers stage must name on it
 CASES = [(arch, name) for arch, names in LAYER_FAULTS.items() for name in names]
 
 
-def _prompts(seed: int, lengths=(16, 11)) -> list[list[int]]:
+def _prompts(seed: int, lengths=(16, 11), vocab: int = 49000) -> list[list[int]]:
     rng = np.random.default_rng(seed)
-    return [[int(t) for t in rng.integers(1, 49000, n)] for n in lengths]
+    return [[int(t) for t in rng.integers(1, vocab, n)] for n in lengths]
 
 
 class _Models:
@@ -234,3 +234,28 @@ def test_thresholds_are_stated_and_applied(models):
     loose = m.layers(engine, _prompts(11), LayerOptions(floor=0.5))
     assert loose.status == Status.PASS
     engine.close()
+
+
+SHARED_CASES = [("norm-eps-wrong", {"eps": 1e-3}, "norm"), ("block-scale-corrupted", {}, "attention"),
+                ("experts-permuted", {}, "moe-experts"), ("indexer-ignored", {}, "indexer")]
+
+
+def test_glm_dsa_shared_indexer_layers(tiny_gguf):
+    """Layers 1 and 2 reuse layer 0's top-k (our own writer's shared indexer layers): the replay
+    of a shared layer is given the engine's own top-k of the latest full layer; faults in a
+    shared layer are named there, a healthy engine passes. (A 1e-5 <-> 1e-6 eps change is
+    only 4x the fp32 baseline on this file's activations, below the 10x limit: eps=1e-3.)"""
+    from ggufcheck.engines.reference import ReferenceEngine
+
+    path = tiny_gguf("glm-dsa", indexer_types=(True, False, False)).path
+    m = _Models(path)
+    assert m.ref.cfg.indexer_full == (True, False, False)
+    prompts = _prompts(12, (20, 13), vocab=m.ref.cfg.n_vocab)
+    healthy = ReferenceEngine(path, dtype="fp32")
+    assert decide([m.layers(healthy, prompts)]).healthy
+    healthy.close()
+    for name, kw, component in SHARED_CASES:
+        engine = make_faulty_engine(name, path, expose_weights=False, **kw)
+        verdict = decide([m.layers(engine, prompts)])
+        assert (verdict.component, verdict.layer) == (component, fault_layer(name, path)), (name, verdict.message)
+        engine.close()
