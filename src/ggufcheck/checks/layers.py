@@ -19,7 +19,7 @@
      left out -> "indexer".
    - Finer attribution only by positive identification: the engine's block equals, within
      the same baseline, the reference block with ONE named change: rope pairing swapped ->
-     "rope"; the other common RMS eps -> "norm"; kv_b under a known wrong TP layout ->
+     "rope"; another RMS eps (a grid of powers of ten) -> "norm"; kv_b under a known wrong TP layout ->
      "mla-kv-b"; dense instead of sparse attention -> "indexer"; bias-free routing ->
      "moe-router". Nothing matched -> the block ("attention", "ffn", "moe-experts").
    When every block of the first diverging layer replays within its baseline (the layer
@@ -55,9 +55,15 @@ class LayerOptions:
 
     multiple: float = 10.0  # engine error may be this many times the fp32 baseline error
     floor: float = 2e-6  # relative error always accepted (about 16 fp32 roundings)
-    # activation classes whose rounding a reference run cannot reproduce: relative error
-    # per layer accepted regardless of the baseline
-    allowances: dict[str, float] = field(default_factory=lambda: {"bf16": 3e-2, "fp16": 5e-3, "q8": 5e-2})
+    # Activation classes whose rounding a reference run cannot reproduce: relative error
+    # accepted regardless of the baseline. ``allowances``: one block replayed on the engine's
+    # own input (local); ``residual_allowances``: the residual stream, which accumulates over
+    # depth. q8 measured: SmolLM2-135M Q4_1 on llama.cpp CPU (30 layers, 2 prompts): local
+    # attention 0.0096 / FFN 0.011 at layer 0, residual 0.012 (layer 0) .. 0.048 (layer 29).
+    # bf16 / fp16: stated from the formats' unit roundoff (2^-8, 2^-11), not yet measured.
+    allowances: dict[str, float] = field(default_factory=lambda: {"bf16": 3e-2, "fp16": 5e-3, "q8": 4e-2})
+    residual_allowances: dict[str, float] = field(default_factory=lambda: {"bf16": 1e-1, "fp16": 2e-2,
+                                                                           "q8": 1.5e-1})
     router_min_jaccard: float = 0.95  # mean expert-set Jaccard over untied positions
     router_tie_margin: float = 1e-5  # selection scores closer than this are a tie
     indexer_min_overlap: float = 0.95  # mean top-k set overlap over untied positions
@@ -240,6 +246,7 @@ def run_layers_stage(engine, reference, tokens_list: Sequence[Sequence[int]], ba
     cfg = reference.cfg
     n_layer = cfg.n_layer
     allowance = opts.allowances.get(caps.activation_dtype, 0.0)
+    residual_allowance = opts.residual_allowances.get(caps.activation_dtype, 0.0)
     want_kinds = [k for k in ("residual", "attention", "ffn", "router", "indexer") if k in kinds]
 
     runs = []  # per sequence: (engine trace, reference trace, baseline trace or None)
@@ -265,10 +272,11 @@ def run_layers_stage(engine, reference, tokens_list: Sequence[Sequence[int]], ba
                 b = base_trace.layers[i].hidden
                 base.update(rel_errors(b, want), b, want, n)
         errors.append(err)
-        limit = _limit(base.value, opts, allowance)
+        limit = _limit(base.value, opts, residual_allowance)
         per_layer.append({"layer": i, "error": err.value, "baseline": base.value, "limit": limit,
                           "ratio": _ratio(err.value, base.value)})
     report.info.update(per_layer=per_layer, multiple=opts.multiple, floor=opts.floor, allowance=allowance,
+                       residual_allowance=residual_allowance,
                        activation_dtype=caps.activation_dtype, prompts=len(seqs),
                        baseline="fp32 reference vs fp64" if baseline_reference is not None else "none (floor only)")
 
