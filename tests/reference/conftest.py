@@ -102,11 +102,14 @@ def tiny():
 def everything_fp64():
     """While active, every cast to float32 (``.float()``, ``.to(torch.float32)``,
     ``.type(torch.float32)``, ``softmax(dtype=float32)``, ``arange(dtype=float32)``)
-    produces float64 instead."""
+    produces float64 instead, and ``topk`` breaks ties by the lower index (a stable sort),
+    as the reference does: the order of equal values is unspecified in ``torch.topk``, and
+    the DSA indexer's ReLU makes exact ties (docs/reference-verification.md, 3a)."""
     tensor = torch.Tensor
     f32, f64 = torch.float32, torch.float64
-    saved = (tensor.to, tensor.float, tensor.type, torch.nn.functional.softmax, torch.arange)
-    orig_to, _, orig_type, orig_softmax, orig_arange = saved
+    saved = (tensor.to, tensor.float, tensor.type, torch.nn.functional.softmax, torch.arange,
+             tensor.topk, torch.topk)
+    orig_to, _, orig_type, orig_softmax, orig_arange = saved[:5]
 
     def fix(a):
         return f64 if a is f32 else a
@@ -132,12 +135,18 @@ def everything_fp64():
             kw["dtype"] = fix(kw["dtype"])
         return orig_arange(*args, **kw)
 
+    def topk(x, k, dim=-1, largest=True, sorted=True):
+        values, indices = torch.sort(x, dim=dim, descending=largest, stable=True)
+        return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
+
     tensor.to, tensor.float, tensor.type = to, float_, type_
     torch.nn.functional.softmax, torch.arange = softmax, arange
+    tensor.topk, torch.topk = topk, topk
     try:
         yield
     finally:
-        tensor.to, tensor.float, tensor.type, torch.nn.functional.softmax, torch.arange = saved
+        (tensor.to, tensor.float, tensor.type, torch.nn.functional.softmax, torch.arange,
+         tensor.topk, torch.topk) = saved
 
 
 class HFRun:
