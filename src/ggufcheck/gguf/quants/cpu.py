@@ -173,46 +173,63 @@ def nvfp4(src, out, ue4m3, levels):
 @njit(**_JIT)
 def q2_k(src, out, h):
     # [scales 16][qs 64][d f16][dmin f16]; e = j*32 + k (j = half*4 + shift):
-    # q = (qs[half*32+k] >> 2*shift) & 3; group g = e // 16: (d*sc[g]) * q - (dmin*mn[g])
+    # q = (qs[half*32+k] >> 2*shift) & 3; group g = e // 16 = 2j + k//16: (d*sc[g]) * q - (dmin*mn[g])
     s2, o2 = src.reshape(-1, 84), out.reshape(-1, 256)  # (n_blocks, bytes), (n_blocks, elements)
     for b in prange(s2.shape[0]):
         row, orow = s2[b], o2[b]
         d = h[_u16(row, 80)]
         dmin = h[_u16(row, 82)]
-        for j in range(8):
-            half, shift = j >> 2, 2 * (j & 3)
+        for half in range(2):
             for g2 in range(2):
-                sc = row[j * 2 + g2]
-                dl = d * F32(sc & 15)
-                ml = dmin * F32(sc >> 4)
-                for k in range(g2 * 16, g2 * 16 + 16):
-                    q = (np.int32(row[16 + half * 32 + k]) >> shift) & 3
-                    orow[j * 32 + k] = dl * F32(q) - ml
+                sc0, sc1 = row[half * 8 + g2], row[half * 8 + 2 + g2]  # j = half*4 + 0, 1
+                sc2, sc3 = row[half * 8 + 4 + g2], row[half * 8 + 6 + g2]  # j = half*4 + 2, 3
+                dl0, ml0 = d * F32(sc0 & 15), dmin * F32(sc0 >> 4)
+                dl1, ml1 = d * F32(sc1 & 15), dmin * F32(sc1 >> 4)
+                dl2, ml2 = d * F32(sc2 & 15), dmin * F32(sc2 >> 4)
+                dl3, ml3 = d * F32(sc3 & 15), dmin * F32(sc3 >> 4)
+                o = half * 128 + g2 * 16
+                for kk in range(16):
+                    x = np.int32(row[16 + half * 32 + g2 * 16 + kk])
+                    orow[o + kk] = dl0 * F32(x & 3) - ml0
+                    orow[o + 32 + kk] = dl1 * F32((x >> 2) & 3) - ml1
+                    orow[o + 64 + kk] = dl2 * F32((x >> 4) & 3) - ml2
+                    orow[o + 96 + kk] = dl3 * F32(x >> 6) - ml3
+
+
+@njit(inline="always")
+def _q3_scale(row, i):
+    """Q3_K signed 6-bit scale i (0..15): low nibble from bytes 96..103, top 2 bits from 104..107."""
+    if i < 8:
+        low4 = np.int32(row[96 + i]) & 15
+    else:
+        low4 = np.int32(row[96 + i - 8]) >> 4
+    high2 = (np.int32(row[104 + (i & 3)]) >> (2 * (i >> 2))) & 3
+    return F32((low4 | (high2 << 4)) - 32)
 
 
 @njit(**_JIT)
 def q3_k(src, out, h):
-    # [hmask 32][qs 64][scales 12][d f16]; e = j*32 + k:
-    # low = (qs[(j//4)*32+k] >> 2*(j%4)) & 3; high = (hmask[k] >> j) & 1; q = low - 4*(1-high)
-    # 16 six-bit signed scales: i<8: sc[i]&15, else sc[i-8]>>4; plus ((sc[8+i%4] >> 2*(i//4))&3)<<4
+    # [hmask 32][qs 64][scales 12][d f16]; e = j*32 + k (j = half*4 + shift):
+    # low = (qs[half*32+k] >> 2*shift) & 3; high = (hmask[k] >> j) & 1; q = low - 4*(1-high)
+    # scale group i = e // 16 = 2j + k//16; (d * sc[i]) * q
     s2, o2 = src.reshape(-1, 110), out.reshape(-1, 256)  # (n_blocks, bytes), (n_blocks, elements)
     for b in prange(s2.shape[0]):
         row, orow = s2[b], o2[b]
         d = h[_u16(row, 108)]
-        for j in range(8):
-            half, shift = j >> 2, 2 * (j & 3)
+        for half in range(2):
             for g2 in range(2):
-                i = 2 * j + g2
-                if i < 8:
-                    low4 = np.int32(row[96 + i]) & 15
-                else:
-                    low4 = np.int32(row[96 + i - 8]) >> 4
-                high2 = (np.int32(row[104 + (i & 3)]) >> (2 * (i >> 2))) & 3
-                dl = d * F32((low4 | (high2 << 4)) - 32)
-                for k in range(g2 * 16, g2 * 16 + 16):
-                    low = (np.int32(row[32 + half * 32 + k]) >> shift) & 3
-                    high = (np.int32(row[k]) >> j) & 1
-                    orow[j * 32 + k] = dl * F32(low - ((high ^ 1) << 2))
+                i0 = half * 8 + g2  # scale index of j = half*4, then +2 per shift step
+                dl0, dl1 = d * _q3_scale(row, i0), d * _q3_scale(row, i0 + 2)
+                dl2, dl3 = d * _q3_scale(row, i0 + 4), d * _q3_scale(row, i0 + 6)
+                o = half * 128 + g2 * 16
+                for kk in range(16):
+                    k = g2 * 16 + kk
+                    x = np.int32(row[32 + half * 32 + k])
+                    m = (np.int32(row[k]) >> (4 * half)) ^ 15  # inverted high bits of j = half*4 + 0..3
+                    orow[o + kk] = dl0 * F32((x & 3) - ((m & 1) << 2))
+                    orow[o + 32 + kk] = dl1 * F32(((x >> 2) & 3) - (((m >> 1) & 1) << 2))
+                    orow[o + 64 + kk] = dl2 * F32(((x >> 4) & 3) - (((m >> 2) & 1) << 2))
+                    orow[o + 96 + kk] = dl3 * F32((x >> 6) - (((m >> 3) & 1) << 2))
 
 
 @njit(inline="always")
@@ -230,20 +247,21 @@ def _k4_scale_min(row, p, j):
 @njit(**_JIT)
 def q4_k(src, out, h):
     # [d f16][dmin f16][scales 12][qs 128]; e = j*32 + k: (qs[(j//2)*32+k] >> 4*(j%2)) & 15
-    # (d*sc[j]) * q - (dmin*mn[j])
+    # (d*sc[j]) * q - (dmin*mn[j]); one qs byte feeds sub-blocks 2c (low) and 2c+1 (high)
     s2, o2 = src.reshape(-1, 144), out.reshape(-1, 256)  # (n_blocks, bytes), (n_blocks, elements)
     for b in prange(s2.shape[0]):
         row, orow = s2[b], o2[b]
         d = h[_u16(row, 0)]
         dmin = h[_u16(row, 2)]
-        for j in range(8):
-            sc, mn = _k4_scale_min(row, 4, j)
-            dl = d * F32(sc)
-            ml = dmin * F32(mn)
-            p, shift = 16 + (j >> 1) * 32, 4 * (j & 1)
+        for c in range(4):
+            sc0, mn0 = _k4_scale_min(row, 4, 2 * c)
+            sc1, mn1 = _k4_scale_min(row, 4, 2 * c + 1)
+            dl0, ml0 = d * F32(sc0), dmin * F32(mn0)
+            dl1, ml1 = d * F32(sc1), dmin * F32(mn1)
             for k in range(32):
-                q = (np.int32(row[p + k]) >> shift) & 15
-                orow[j * 32 + k] = dl * F32(q) - ml
+                x = np.int32(row[16 + c * 32 + k])
+                orow[c * 64 + k] = dl0 * F32(x & 15) - ml0
+                orow[c * 64 + 32 + k] = dl1 * F32(x >> 4) - ml1
 
 
 @njit(**_JIT)
@@ -254,35 +272,42 @@ def q5_k(src, out, h):
         row, orow = s2[b], o2[b]
         d = h[_u16(row, 0)]
         dmin = h[_u16(row, 2)]
-        for j in range(8):
-            sc, mn = _k4_scale_min(row, 4, j)
-            dl = d * F32(sc)
-            ml = dmin * F32(mn)
-            p, shift = 48 + (j >> 1) * 32, 4 * (j & 1)
+        for c in range(4):
+            sc0, mn0 = _k4_scale_min(row, 4, 2 * c)
+            sc1, mn1 = _k4_scale_min(row, 4, 2 * c + 1)
+            dl0, ml0 = d * F32(sc0), dmin * F32(mn0)
+            dl1, ml1 = d * F32(sc1), dmin * F32(mn1)
             for k in range(32):
-                q = ((np.int32(row[p + k]) >> shift) & 15) | (((np.int32(row[16 + k]) >> j) & 1) << 4)
-                orow[j * 32 + k] = dl * F32(q) - ml
+                x = np.int32(row[48 + c * 32 + k])
+                hb = np.int32(row[16 + k]) >> (2 * c)
+                orow[c * 64 + k] = dl0 * F32((x & 15) | ((hb & 1) << 4)) - ml0
+                orow[c * 64 + 32 + k] = dl1 * F32((x >> 4) | ((hb & 2) << 3)) - ml1
 
 
 @njit(**_JIT)
 def q6_k(src, out, h):
-    # [ql 128][qh 64][scales int8 16][d f16]; e = a*128 + r (a = 0,1; r < 128):
-    # low = (ql[a*64 + r%64] >> 4*(r//64)) & 15; high = (qh[a*32 + r%32] >> 2*(r//32)) & 3
+    # [ql 128][qh 64][scales int8 16][d f16]; e = a*128 + mm*32 + l (a = 0,1; mm < 4; l < 32):
+    # low = (ql[a*64 + (mm%2)*32 + l] >> 4*(mm//2)) & 15; high = (qh[a*32 + l] >> 2*mm) & 3
     # q = (low | high<<4) - 32; (d * sc[e//16]) * q
     s2, o2 = src.reshape(-1, 210), out.reshape(-1, 256)  # (n_blocks, bytes), (n_blocks, elements)
     for b in prange(s2.shape[0]):
         row, orow = s2[b], o2[b]
         d = h[_u16(row, 208)]
-        for g in range(16):
-            dl = d * F32(np.int8(row[192 + g]))
-            a, r0 = g >> 3, (g & 7) * 16
-            pl = a * 64 + (r0 & 63)
-            ph = 128 + a * 32 + (r0 & 31)
-            sl, sh = 4 * (r0 >> 6), 2 * (r0 >> 5)
-            for k in range(16):
-                low = (np.int32(row[pl + k]) >> sl) & 15
-                high = (np.int32(row[ph + k]) >> sh) & 3
-                orow[g * 16 + k] = dl * F32((low | (high << 4)) - 32)
+        for a in range(2):
+            for hl in range(2):
+                g = 192 + a * 8 + hl  # scale of (mm, l-half hl) is sc[a*8 + mm*2 + hl]
+                dl0, dl1 = d * F32(np.int8(row[g])), d * F32(np.int8(row[g + 2]))
+                dl2, dl3 = d * F32(np.int8(row[g + 4])), d * F32(np.int8(row[g + 6]))
+                o = a * 128 + hl * 16
+                for kk in range(16):
+                    l = hl * 16 + kk
+                    x0 = np.int32(row[a * 64 + l])
+                    x1 = np.int32(row[a * 64 + 32 + l])
+                    y = np.int32(row[128 + a * 32 + l])
+                    orow[o + kk] = dl0 * F32(((x0 & 15) | ((y & 3) << 4)) - 32)
+                    orow[o + 32 + kk] = dl1 * F32(((x1 & 15) | (((y >> 2) & 3) << 4)) - 32)
+                    orow[o + 64 + kk] = dl2 * F32(((x0 >> 4) | (((y >> 4) & 3) << 4)) - 32)
+                    orow[o + 96 + kk] = dl3 * F32(((x1 >> 4) | ((y >> 6) << 4)) - 32)
 
 
 @njit(**_JIT)
