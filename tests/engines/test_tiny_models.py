@@ -98,3 +98,13 @@ def test_reference_layer_outputs_match_hf_hooks(tiny):
         # measured: deepseek2 < 1e-4 relative; glm-dsa ~2.5e-4 from layer 0's attention output on
         # (cause not isolated: transformers' fp32 glm_moe_dsa path; the final KL is still ~1e-9)
         assert np.abs(value - other).max() < 1e-3 * scale, key
+
+
+def test_hf_batch_invariance(tiny):
+    """transformers scores a right-padded batch; each row equals the sequence scored alone."""
+    from ggufcheck.checks.paths import check_batch_invariance
+
+    _, engines, tables = tiny
+    result = check_batch_invariance(engines["hf"], list(SEQS), tables["hf"], _baseline(tables, engines["hf"]),
+                                    PathOptions())
+    assert result.status == Status.PASS, result.message

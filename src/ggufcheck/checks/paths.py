@@ -158,14 +158,34 @@ def check_past_indexer_top_k(engine: Engine, long_prompt: Sequence[int] | None, 
 def run_paths(engine: Engine, prompts: Sequence[Sequence[int]], singles: Sequence[TokenLogprobs],
               options: PathOptions = PathOptions(), *, baseline: Baseline | None = None,
               long_prompt: Sequence[int] | None = None) -> tuple[list[Result], list[Generation]]:
-    """All path checks. ``singles`` are the engine's own teacher-forced tables of ``prompts``."""
+    """All path checks. ``singles`` are the engine's own teacher-forced tables of ``prompts``.
+
+    A check whose engine call raises :class:`Unsupported` (a sequence beyond n_ctx, a chunk
+    size the engine refuses) is SKIPPED with that reason.
+    """
     baseline = baseline or ALLOWANCES.get(engine.capabilities.activation_dtype, ALLOWANCES["fp32"])
     results: list[Result] = []
-    decode, generations = check_prefill_vs_decode(engine, prompts, baseline, options)
+    generations: list[Generation] = []
+
+    def attempt(check: str, component: str, run):
+        try:
+            return run()
+        except Unsupported as why:
+            return skipped(check, component, str(why))
+
+    decode = attempt("paths.prefill_vs_decode", "decode",
+                     lambda: check_prefill_vs_decode(engine, prompts, baseline, options))
+    if isinstance(decode, tuple):
+        decode, generations = decode
     results.append(decode)
-    results.append(check_batch_invariance(engine, prompts, singles, baseline, options))
-    results.append(check_determinism(engine, prompts[0], singles[0], generations[0] if generations else None,
-                                      baseline, options))
-    results.extend(check_chunked_prefill(engine, prompts, singles, baseline, options))
-    results.append(check_past_indexer_top_k(engine, long_prompt, baseline, options))
+    results.append(attempt("paths.batch_invariance", "batching",
+                           lambda: check_batch_invariance(engine, prompts, singles, baseline, options)))
+    results.append(attempt("paths.determinism", "sampling",
+                           lambda: check_determinism(engine, prompts[0], singles[0],
+                                                     generations[0] if generations else None, baseline, options)))
+    chunked = attempt("paths.chunked_prefill", "prefill",
+                      lambda: check_chunked_prefill(engine, prompts, singles, baseline, options))
+    results.extend(chunked if isinstance(chunked, list) else [chunked])
+    results.append(attempt("paths.past_indexer_top_k", "indexer",
+                           lambda: check_past_indexer_top_k(engine, long_prompt, baseline, options)))
     return results, generations

@@ -110,6 +110,20 @@ def _tokenize(engine, model_path: Path, texts: list[str], limit: int) -> tuple[l
     return [tok.encode(t, add_special=True, parse_special=True)[:limit] for t in texts], "the GGUF's own tokenizer"
 
 
+def _long_prompt(sequences: list[list[int]], top_k: int | None) -> list[int] | None:
+    """DSA models: a prompt longer than the indexer's top_k (the prompts joined and repeated)."""
+    if top_k is None or not sequences:
+        return None
+    for s in sequences:
+        if len(s) > top_k + 8:
+            return s
+    joined: list[int] = []
+    while len(joined) <= top_k + 32:
+        for s in sequences:
+            joined.extend(s)
+    return joined[: top_k + 32]
+
+
 def run(args: argparse.Namespace) -> int:
     options = _options(args)
     console = Console(stderr=False)
@@ -144,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
         texts = _prompt_texts(options)
         sequences, tokenizer_used = _tokenize(engine, options.model, texts, options.max_tokens)
         top_k = _indexer_top_k(options.model)
-        long_prompt = next((s for s in sequences if top_k is not None and len(s) > top_k), None)
+        long_prompt = _long_prompt(sequences, top_k)
         stages = run_compare(
             engine, sequences, reference=reference, reference_reason=reason, baseline_engine=baseline,
             options=CompareOptions(top_k=options.top_k, max_new_tokens=options.new_tokens, run_paths=options.paths,
