@@ -47,12 +47,19 @@ def _tokens(path, n):
     return tokens
 
 
-def test_smollm2_q4_1_statistical_agreement(smollm2, llama_cpp_run):
+@pytest.fixture(scope="module")
+def smollm2_reference(smollm2):
+    """(tokens, reference log-probs [300, vocab]) for SmolLM2, computed once: the F32 copy
+    holds the same dequantized values, so the reference's answer is the same for both."""
     tokens = _tokens(smollm2, 300)
+    with ReferenceModel(smollm2, dtype="fp32") as ref:
+        return tokens, ref.prefill(tokens, trace=False).double().log_softmax(-1)
+
+
+def test_smollm2_q4_1_statistical_agreement(smollm2, smollm2_reference, llama_cpp_run):
+    tokens, ours = smollm2_reference
     assert len(tokens) == 300
     theirs = llama_cpp_run(smollm2, tokens, f32_cache=False)  # llama.cpp defaults
-    with ReferenceModel(smollm2, dtype="fp32") as ref:
-        ours = ref.prefill(tokens, trace=False).double().log_softmax(-1)
     agree = (ours.argmax(-1) == theirs.argmax(-1)).double().mean().item()
     kl = _kl(ours, theirs)
     print(f"SmolLM2 Q4_1 vs llama.cpp over {len(tokens)} positions: argmax agreement {agree:.3f}, "
@@ -62,11 +69,12 @@ def test_smollm2_q4_1_statistical_agreement(smollm2, llama_cpp_run):
 
 
 @pytest.mark.slow
-def test_smollm2_dequantized_f32_agrees_tightly(smollm2_f32, llama_cpp_run):
-    tokens = _tokens(smollm2_f32, 300)
+def test_smollm2_dequantized_f32_agrees_tightly(smollm2, smollm2_f32, smollm2_reference, llama_cpp_run):
+    tokens, ours = smollm2_reference
+    with ReferenceModel(smollm2, dtype="fp32") as q, ReferenceModel(smollm2_f32, dtype="fp32") as f:
+        for name in ("token_embd.weight", "blk.7.attn_q.weight", "blk.29.ffn_down.weight"):
+            assert torch.equal(q.weights.tensor(name), f.weights.tensor(name))  # the same values
     theirs = llama_cpp_run(smollm2_f32, tokens)
-    with ReferenceModel(smollm2_f32, dtype="fp64") as ref:
-        ours = ref.prefill(tokens, trace=False).log_softmax(-1)
     diff, kl = (ours - theirs).abs().max(), _kl(ours, theirs)
     print(f"SmolLM2 dequantized to F32 vs llama.cpp: max |d log p| {diff:.2e}, KL mean {kl.mean():.2e}")
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
