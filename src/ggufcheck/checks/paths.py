@@ -69,12 +69,15 @@ def check_prefill_vs_decode(engine: Engine, prompts: Sequence[Sequence[int]], ba
     caps = engine.capabilities
     if not caps.generate:
         return skipped("paths.prefill_vs_decode", "decode", caps.why_not("generate")), []
-    pairs, generations = [], []
-    for prompt in prompts[:options.decode_prompts]:
-        gen = engine.generate(prompt, options.max_new_tokens, top_k=options.top_k)
-        teacher = engine.score(gen.sequence, top_k=options.top_k)
-        pairs.append((teacher, gen.steps))  # compared at the decode steps' rows only
-        generations.append(gen)
+    # Each teacher-forced request follows a request for the bare prompt: an engine that caches
+    # computed logits by prefix (llama-cpp-python keeps the last sequence's rows) must not
+    # answer the teacher-forced request with the rows of the decode it is compared with.
+    generations = [engine.generate(p, options.max_new_tokens, top_k=options.top_k)
+                   for p in prompts[:options.decode_prompts]]
+    pairs = []
+    for prompt, gen in zip(prompts, generations):
+        engine.score(prompt, top_k=options.top_k)  # replaces a single-slot cache with a prefill
+        pairs.append((engine.score(gen.sequence, top_k=options.top_k), gen.steps))
     return _pair_verdict("paths.prefill_vs_decode", "decode",
                          "teacher-forced prefill vs step-by-step decode", pairs, baseline, options.tolerance), generations
 
