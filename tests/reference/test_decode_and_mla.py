@@ -89,3 +89,28 @@ def test_trace_load_errors(tmp_path):
     (tmp_path / "bad.json").write_text('{"format": 1, "n_layer": 0}')
     with pytest.raises(BadFileError):
         Trace.load(tmp_path / "bad")
+
+
+def test_sampled_fingerprint_for_big_files(tiny, tmp_path, monkeypatch):
+    """Files over FULL_HASH_LIMIT get a cheap fingerprint (header, size, 64 samples) that
+    still changes when the data changes."""
+    import shutil
+
+    from ggufcheck.gguf.reader import open_gguf
+    from ggufcheck.reference import trace as trace_mod
+
+    monkeypatch.setattr(trace_mod, "FULL_HASH_LIMIT", 0)
+    monkeypatch.setattr(trace_mod, "_SAMPLE", 4096)
+    copy = tmp_path / "m.gguf"
+    shutil.copy(tiny("llama").gguf_path, copy)
+    with open_gguf(copy) as m:
+        first = trace_mod.model_fingerprint(m)
+        data_start = m.parts[0][2]
+    assert first["method"] == "sampled" and first == trace_mod.model_fingerprint(open_gguf(copy))
+    with open(copy, "r+b") as f:  # flip a byte inside the first sample of the data
+        f.seek(data_start + 10)
+        byte = f.read(1)
+        f.seek(data_start + 10)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with open_gguf(copy) as m:
+        assert trace_mod.model_fingerprint(m)["value"] != first["value"]

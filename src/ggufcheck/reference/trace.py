@@ -189,7 +189,8 @@ def model_fingerprint(model: Any) -> dict[str, Any]:
             else:
                 digest.update(size.to_bytes(8, "little"))
                 digest.update(f.read(data_start))
+                span = max(0, size - data_start - _SAMPLE)
                 for k in range(_N_SAMPLES):
-                    f.seek(data_start + (size - data_start - _SAMPLE) * k // (_N_SAMPLES - 1))
+                    f.seek(data_start + span * k // (_N_SAMPLES - 1))
                     digest.update(f.read(_SAMPLE))
     return {"method": method, "value": digest.hexdigest(), "size": total}
