@@ -5,7 +5,9 @@
     python benchmarks/dequant.py --device cuda   # GPU table, with the device copy bandwidth
 
 MB/s are megabytes of *quantized input* per second (wall clock, median of the repeats,
-measured interleaved so that background load hits every implementation alike). The
+measured interleaved so that background load hits every implementation alike; each repeat
+of the fast paths loops for >= 0.3 s). 'x cpu-s' is the ratio of CPU seconds used (all
+threads): on a shared machine it shows the work saved even when the wall clock is noisy. The
 bit-exact column compares our float32 output with gguf-py's, block by block (NaN == NaN).
 On CUDA, GB/s count bytes read plus bytes written, like the copy bandwidth they are set
 against; correctness there is checked on fuzz blocks (NaN/Inf scales included) and on a
@@ -46,10 +48,15 @@ def _transformers_dequant():
     return hf, ""
 
 
-def _timed(fn, *args) -> float:
-    t = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - t
+def _timed(fn, *args, min_seconds: float = 0.3) -> tuple[float, float]:
+    """(wall, process CPU) seconds per call, calling ``fn`` until ``min_seconds`` of wall time."""
+    calls, wall, cpu = 0, time.perf_counter(), time.process_time()
+    while True:
+        fn(*args)
+        calls += 1
+        elapsed = time.perf_counter() - wall
+        if elapsed >= min_seconds:
+            return elapsed / calls, (time.process_time() - cpu) / calls
 
 
 GPU_GOAL_TYPES = (Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)  # issue 3's >= 60% of copy bandwidth list
@@ -69,8 +76,9 @@ def cpu_table(types: list[Q], mb: float, repeats: int) -> int:
 
     hf, why = _transformers_dequant()
     print(f"CPU: {torch.get_num_threads()} torch threads; transformers {why or 'integrations.gguf.dequant'}")
-    print(f"{'type':8} {'gguf-py':>9} {'transf.':>9} {'ours':>9} {'x gguf-py':>10} {'x transf.':>10}  "
-          f"{'bit-exact':10} {'tf exact':9} path")
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs at start")
+    print(f"{'type':8} {'gguf-py':>9} {'transf.':>9} {'ours':>9} {'x gguf-py':>10} {'x transf.':>10} "
+          f"{'x cpu-s':>10}  {'bit-exact':10} {'tf exact':9} path")
     failures = 0
     for qtype in types:
         block, size = tables.block_geometry(qtype)
@@ -90,17 +98,20 @@ def cpu_table(types: list[Q], mb: float, repeats: int) -> int:
         for r in range(repeats):
             if r < 2:
                 with np.errstate(all="ignore"):
-                    t_ref.append(_timed(gguf.quants.dequantize, raw, qtype))
+                    t_ref.append(_timed(gguf.quants.dequantize, raw, qtype, min_seconds=0))
             if hf_ok:
                 t_hf.append(_timed(hf.dequantize, traw, int(qtype), torch.float32))
             t_ours.append(_timed(dequantize, raw, qtype))
-        rate = lambda ts: raw.nbytes / statistics.median(ts) / 1e6 if ts else float("nan")  # noqa: E731
-        r_ref, r_hf, r_ours = rate(t_ref), rate(t_hf), rate(t_ours)
+        rate = lambda ts, i: raw.nbytes / statistics.median(t[i] for t in ts) / 1e6 if ts else float("nan")  # noqa: E731
+        r_ref, r_hf, r_ours = rate(t_ref, 0), rate(t_hf, 0), rate(t_ours, 0)
+        x_cpu = rate(t_ours, 1) / rate(t_ref, 1)  # ratio of CPU seconds spent: robust to background load
         x_hf = f"{r_ours / r_hf:9.1f}x" if t_hf else f"{'-':>10}"
         print(f"{qtype.name:8} {r_ref:9.1f} {r_hf if t_hf else float('nan'):9.1f} {r_ours:9.1f} "
-              f"{r_ours / r_ref:9.1f}x {x_hf}  {'yes' if exact else 'NO':10} {tf_exact:9} {cpu_path(qtype)}")
+              f"{r_ours / r_ref:9.1f}x {x_hf} {x_cpu:9.1f}x  {'yes' if exact else 'NO':10} {tf_exact:9} "
+              f"{cpu_path(qtype)}")
         if not exact:
             print(f"         {exact}")
+    print(f"load average {os.getloadavg()[0]:.1f} at end; 'x cpu-s' = gguf-py CPU seconds / ours (all threads)")
     print(f"({mb:g} MB of quantized input per type as ({ROW_ELEMENTS}-value rows); random quants with "
           "weight-like scales; gguf-py called as the reader calls it, on the 2-D rows)")
     return 1 if failures else 0

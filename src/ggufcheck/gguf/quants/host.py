@@ -9,6 +9,7 @@ call falls back to gguf-py's numpy code (bit-exact by definition, just slow) and
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -78,6 +79,10 @@ KERNELS: dict[Q, Kernel] = {
 }
 
 _broken: dict[Q, str] = {}  # types whose kernel failed to compile or run -> why
+# numba's 'workqueue' threads sleep when idle; the OpenMP layer it picks when torch brought
+# libgomp spin-waits, which measured 4x slower on a shared 2-core machine. workqueue must not be
+# entered from two Python threads at once, hence the lock (each call uses every core anyway).
+_kernel_lock = threading.Lock()
 _table_cache: dict[Q, tuple[np.ndarray, ...]] = {}
 
 
@@ -141,17 +146,27 @@ def _run_kernel(qtype: Q, src: np.ndarray, out: np.ndarray) -> bool:
     try:
         from ggufcheck.gguf.quants import cpu
 
+        _prefer_workqueue()
         if qtype not in _table_cache:
             _table_cache[qtype] = spec.tables()
         kernel = getattr(cpu, spec.name)
-        if qtype == Q.BF16:
-            kernel(src, out.view(np.uint32))
-        else:
-            kernel(src, out, *_table_cache[qtype])
+        with _kernel_lock:
+            if qtype == Q.BF16:
+                kernel(src, out.view(np.uint32))
+            else:
+                kernel(src, out, *_table_cache[qtype])
         return True
     except Exception as err:  # numba TypingError / LoweringError, llvmlite failures
         _broken[qtype] = f"numba kernel failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
         return False
+
+
+def _prefer_workqueue() -> None:
+    """Use numba's sleeping 'workqueue' threads unless the user chose a layer (NUMBA_THREADING_LAYER)."""
+    import numba
+
+    if "NUMBA_THREADING_LAYER" not in os.environ and numba.config.THREADING_LAYER == "default":
+        numba.config.THREADING_LAYER = "workqueue"
 
 
 def _gguf_py(src: np.ndarray, qtype: Q) -> np.ndarray:
