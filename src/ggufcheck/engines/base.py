@@ -14,6 +14,22 @@ cannot report (OpenAI-style servers never return the distribution before the fir
 token) are marked absent in ``present``.
 
 Dimension letters: T sequence length, V vocabulary size, K top-k width, D hidden size.
+
+A minimal plug-in (``ggufcheck compare MODEL.gguf --engine python:my_mod:make``)::
+
+    from ggufcheck.engines.base import Capabilities, Engine, TokenLogprobs, log_softmax
+
+    class MyEngine(Engine):
+        name = "my deployment"
+        capabilities = Capabilities(score=True, full_vocab=True, activation_dtype="bf16")
+        vocab_size = 151552
+
+        def score(self, tokens, *, top_k=20):
+            logits = my_client.forward(tokens)            # [T, V] next-token logits
+            return TokenLogprobs(tokens, self.vocab_size, log_softmax(logits).astype("float32"))
+
+    def make(model_path):
+        return MyEngine()
 """
 
 from __future__ import annotations

@@ -17,8 +17,16 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ggufcheck.engines.base import LAYER_KINDS, Capabilities, Engine, Generation, LayerTrace, TokenLogprobs, reasons
-from ggufcheck.engines.base import Unsupported
+from ggufcheck.engines.base import (
+    LAYER_KINDS,
+    Capabilities,
+    Engine,
+    Generation,
+    LayerTrace,
+    TokenLogprobs,
+    Unsupported,
+    reasons,
+)
 from ggufcheck.errors import Unavailable
 
 # GGUF arch -> transformers model_type
