@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from ggufcheck.gguf.dequant import dequantize_tensor
+from ggufcheck.gguf.dequant import dequantize, dequantize_tensor
 from ggufcheck.gguf.reader import GGUFModel, TensorInfo
 
 _PAGE = mmap.PAGESIZE
@@ -85,10 +85,14 @@ class WeightStore:
     # -- embedding and output head ---------------------------------------------------
     def embed_rows(self, tokens: list[int]) -> Tensor:
         """token_embd rows for the given tokens [T, D], reading only those rows."""
-        rows = {t: self.tensor("token_embd.weight", rows=slice(t, t + 1))[0] for t in sorted(set(tokens))}
+        info = self.model.tensors["token_embd.weight"]
+        unique = sorted(set(tokens))
+        raw = self.model.raw(info.name).reshape(info.n_rows, -1)[unique]  # [U, row_bytes]: a copy of those rows
+        rows = torch.from_numpy(dequantize(raw, info.qtype)).to(dtype=self.dtype, device=self.device)  # [U, D]
         if self.streaming:
-            self._release_pages(self.model.tensors["token_embd.weight"])
-        return torch.stack([rows[t] for t in tokens])
+            self._release_pages(info)
+        where = {t: i for i, t in enumerate(unique)}
+        return rows[torch.tensor([where[t] for t in tokens], device=self.device)]  # [T, D]
 
     def head_chunks(self, chunk_rows: int) -> Iterator[tuple[int, Tensor]]:
         """The output head (or tied token_embd) as (first row, [rows, D]) chunks; kept once
