@@ -409,6 +409,27 @@ class GGUFModel:
         data = np.frombuffer(mm, dtype=np.uint8, count=count, offset=info.offset + start * info.row_bytes)
         return data.reshape(stop - start, info.row_bytes)
 
+    def release_rows(self, name: str, start: int = 0, stop: int | None = None) -> None:
+        """Advise the kernel that rows [start, stop) of ``name`` are not needed soon.
+
+        Drops their page-cache pages from this process's mapping (``MADV_DONTNEED`` on a
+        read-only map: the file is untouched and re-read on the next access), so streaming
+        over a model larger than memory keeps resident memory bounded.
+        """
+        info = self._info(name)
+        mm = self._mmaps.get(info.path)
+        if mm is None or not hasattr(mm, "madvise"):
+            return
+        stop = info.n_rows if stop is None else stop
+        begin = info.offset + start * info.row_bytes
+        end = info.offset + stop * info.row_bytes
+        begin -= begin % mmap.PAGESIZE
+        if end > begin:
+            try:
+                mm.madvise(mmap.MADV_DONTNEED, begin, end - begin)
+            except (OSError, ValueError):
+                pass  # advice only
+
     def _info(self, name: str) -> TensorInfo:
         try:
             return self.tensors[name]

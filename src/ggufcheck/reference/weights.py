@@ -14,7 +14,6 @@ Two modes:
 
 from __future__ import annotations
 
-import mmap
 import warnings
 from collections.abc import Iterator
 
@@ -24,7 +23,6 @@ from torch import Tensor
 from ggufcheck.gguf.dequant import dequantize, dequantize_tensor
 from ggufcheck.gguf.reader import GGUFModel, TensorInfo
 
-_PAGE = mmap.PAGESIZE
 
 
 class WeightStore:
@@ -112,16 +110,4 @@ class WeightStore:
                 self._release_pages(info, start, min(start + chunk_rows, info.n_rows))
 
     def _release_pages(self, info: TensorInfo, row_start: int = 0, row_stop: int | None = None) -> None:
-        mmaps = getattr(self.model, "_mmaps", None)  # the reader's read-only maps (private)
-        mm = mmaps.get(info.path) if mmaps else None
-        if mm is None or not hasattr(mm, "madvise"):
-            return
-        row_stop = info.n_rows if row_stop is None else row_stop
-        begin = info.offset + row_start * info.row_bytes
-        end = info.offset + row_stop * info.row_bytes
-        begin -= begin % _PAGE
-        if end > begin:
-            try:
-                mm.madvise(mmap.MADV_DONTNEED, begin, end - begin)
-            except (OSError, ValueError):
-                pass  # advice only
+        self.model.release_rows(info.name, row_start, row_stop)
