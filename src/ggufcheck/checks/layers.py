@@ -6,7 +6,10 @@
    the same layer, times :attr:`LayerOptions.multiple`, never below
    :attr:`LayerOptions.floor`, and for engines whose activations are bf16 / fp16 / q8 never
    below the stated allowance of that class (a reference run cannot reproduce their
-   rounding). The first layer over its limit is where the bisection looks.
+   rounding). glm-dsa: positions where the reference marks an indexer top-k boundary TIE
+   (either set is correct) are left out from that layer on, and the later positions that
+   read their keys from the next layer on. The first layer over its limit is where the
+   bisection looks.
 2. Inside that layer, errors must not carry over: the reference layer is REPLAYED on the
    engine's own input to it (``ReferenceModel`` family code, fp64; fp32 replay for the
    baseline), and the attention block and the FFN / MoE block are compared separately (the
@@ -259,22 +262,26 @@ def run_layers_stage(engine, reference, tokens_list: Sequence[Sequence[int]], ba
 
     per_layer = []
     errors: list[_Err] = []
+    masks = [_tie_masks(ref_trace, n_layer) for _e, ref_trace, _b in runs]
     for i in range(n_layer):
         err, base = _Err(), _Err()
+        excluded = 0
         for n, (eng, ref_trace, base_trace) in enumerate(runs):
             got = eng.tensors.get(("residual", i))
             if got is None:
                 continue
             got = torch.as_tensor(np.asarray(got))
             want = ref_trace.layers[i].hidden
-            err.update(rel_errors(got, want), got, want, n)
+            keep = masks[n][i]
+            excluded += int((~keep).sum()) if keep is not None else 0
+            err.update(rel_errors(got, want), got, want, n, keep)
             if base_trace is not None:
                 b = base_trace.layers[i].hidden
-                base.update(rel_errors(b, want), b, want, n)
+                base.update(rel_errors(b, want), b, want, n, keep)
         errors.append(err)
         limit = _limit(base.value, opts, residual_allowance)
         per_layer.append({"layer": i, "error": err.value, "baseline": base.value, "limit": limit,
-                          "ratio": _ratio(err.value, base.value)})
+                          "ratio": _ratio(err.value, base.value), "tie_excluded_positions": excluded})
     report.info.update(per_layer=per_layer, multiple=opts.multiple, floor=opts.floor, allowance=allowance,
                        residual_allowance=residual_allowance,
                        activation_dtype=caps.activation_dtype, prompts=len(seqs),
@@ -323,6 +330,30 @@ def run_layers_stage(engine, reference, tokens_list: Sequence[Sequence[int]], ba
     report.info["first_diverging_layer"] = first
     report.info["localized_layer"] = found
     return report
+
+
+def _tie_masks(ref_trace, n_layer: int) -> list[Tensor | None]:
+    """Per layer, [T] bool: positions whose residual can be compared (None: all).
+
+    Where the reference marks a DSA top-k boundary tie (layer j, position t), a correct
+    engine may pick the other set, so position t is not compared from layer j on, and the
+    later positions that read its keys (t' > t) not from layer j + 1 on.
+    """
+    masks: list[Tensor | None] = []
+    bad: Tensor | None = None  # positions excluded from this layer on
+    spread: Tensor | None = None  # positions excluded from the next layer on
+    for i in range(n_layer):
+        ties = ref_trace.layers[i].topk_ties
+        if spread is not None:
+            bad = spread if bad is None else bad | spread
+        if ties is not None and bool(ties.any()):
+            ties = ties.cpu()
+            bad = ties.clone() if bad is None else bad | ties
+            first = int(torch.nonzero(ties)[0])
+            later = torch.arange(len(ties)) > first
+            spread = later if spread is None else spread | later
+        masks.append(None if bad is None else ~bad)
+    return masks
 
 
 def _ratio(err: float, base: float) -> float | None:
