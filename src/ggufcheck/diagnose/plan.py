@@ -171,15 +171,29 @@ def _sharding(ctx: _Context) -> list[StageReport]:
 
 
 class _LoadedWeights(Mapping):
-    """One rank's parameters, fetched from the engine only when the audit reaches them."""
+    """One rank's parameters, fetched from the engine only when the audit reaches them, so
+    a 400 GB model is audited one parameter at a time. Parameters the engine does not
+    expose are left out of ``items()`` and listed in ``missing``."""
 
     def __init__(self, engine, names: list[str], rank: int):
         self.engine, self.names, self.rank = engine, names, rank
+        self.missing: list[str] = []
 
     def __getitem__(self, name: str):
         import torch
 
         return torch.as_tensor(self.engine.weight(name, rank=self.rank))
+
+    def items(self):
+        from ggufcheck.engines.base import Unsupported
+
+        for name in self.names:
+            try:
+                value = self[name]
+            except Unsupported:
+                self.missing.append(name)
+                continue
+            yield name, value
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
@@ -209,6 +223,11 @@ def _weights(ctx: _Context) -> list[StageReport]:
     ctx.say(f"auditing {len(names)} loaded parameters on {tp} rank(s)")
     loaded = {rank: _LoadedWeights(engine, names, rank) for rank in range(tp)}
     report.add(check_loaded_weights(model, spec, table, loaded, tp))
+    missing = [f"{name}@{rank}" for rank, per_rank in loaded.items() for name in per_rank.missing]
+    if missing:
+        report.add(skipped("weights.loaded.exposed", "weights",
+                           f"the engine did not expose {len(missing)} parameter(s), e.g. {missing[0]}",
+                           stats={"missing": missing[:50]}))
     report.info.update(tp=tp, parameters=len(names))
     return [report]
 
@@ -330,7 +349,12 @@ def diagnose(options: DiagnoseOptions, progress: Progress | None = None, engine:
             for r in reports:
                 r.info.setdefault("eliminates", stage.eliminates)
             stages.extend(reports)
-        described = ctx.engine().describe() if ctx.has_engine else None
+        described = None
+        if ctx.has_engine:
+            try:
+                described = ctx.engine().describe()
+            except GGUFCheckError as err:  # the stages already recorded why it did not open
+                described = {"name": ctx.options.engine, "error": err.message}
     finally:
         ctx.close()
     return Diagnosis(options, stages, decide(stages), described, time.perf_counter() - started, timings)
