@@ -121,3 +121,19 @@ def test_the_reference_names_the_broken_path(setup, fault, blamed):
     logits = {r.check: r for r in stages[1].results}
     blame = logits["logits.path_blame"]
     assert blame.failed and blame.component == blamed, blame.message
+
+
+def test_flat_output_blames_output_not_decode(setup):
+    """Both paths wrong (a flat head): no result may name the decode path."""
+    from ggufcheck.checks.compare import CompareOptions, run_compare
+    from ggufcheck.engines.faults import FlatDistribution
+    from ggufcheck.engines.spec import open_engine
+
+    model, _ = setup
+    with open_engine("llama-cpp:n_ctx=64,n_threads=2", model) as llama, open_engine("reference", model) as ref:
+        seqs = [llama.tokenize("The capital of France is Paris.")]
+        stages = run_compare(FlatDistribution(llama, temperature=1e3), seqs, reference=ref,
+                             options=CompareOptions(max_new_tokens=3, run_sanity=False, chunk_sizes=(),
+                                                    decode_prompts=1))
+    failed = [r for r in stages[1].results if r.failed]
+    assert failed and {r.component for r in failed} == {"output"}, [(r.check, r.component) for r in failed]

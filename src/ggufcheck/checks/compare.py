@@ -122,6 +122,8 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
             decode = judge(collect(decode_pairs), baseline, options.tolerance, component="decode")[0]
             decode.check = "logits.decode_kl_mean"
             decode.message = "decode steps vs the reference: " + decode.message
+            if decode.failed and logits_stage.results[0].failed:
+                decode.component = "output"  # both paths wrong: not a decode-path fault
             logits_stage.add(decode)
             logits_stage.add(_which_path(logits_stage.results[0], decode))
         logits_stage.info.update({
