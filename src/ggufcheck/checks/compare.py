@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import numpy as np
+
 from ggufcheck.checks.logits import (
     ALLOWANCES,
     Baseline,
@@ -49,16 +51,16 @@ class CompareOptions:
 
 
 def combined_baseline(measured: Baseline | None, activation_dtype: str) -> Baseline:
-    """The measured baseline, widened to the stated allowance of a quantized-activation class.
+    """The measured baseline, widened to the stated allowance of a lower-precision class.
 
-    A reference run cannot reproduce 8-bit activation rounding, so for "q8" engines the
-    measured fp32-vs-fp64 spread understates a correct engine's error; the larger of the two
-    is used and both sources are named.
+    The reference computes in fp32 or fp64 only, so for engines whose activations are
+    bf16, fp16 or 8-bit quantized the measured fp32-vs-fp64 spread understates a correct
+    engine's error; the larger of the two is used and both sources are named.
     """
     allowance = ALLOWANCES.get(activation_dtype)
     if measured is None:
         return allowance or ALLOWANCES["fp32"]
-    if activation_dtype != "q8" or allowance is None:
+    if activation_dtype in ("fp32", "fp64") or allowance is None:
         return measured
     return Baseline(
         source=f"the larger of {measured.source} (KL {measured.kl_mean:.2g}) and the {allowance.source} "
@@ -116,6 +118,7 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
         baseline = combined_baseline(measured, engine.capabilities.activation_dtype)
         metrics = collect(list(zip(ref_tables, _fit_vocab(tables, reference.vocab_size))))
         logits_stage.add(judge(metrics, baseline, options.tolerance, detokenize=_detokenizer(engine, reference)))
+        logits_stage.info["per_position"] = per_position(metrics, ref_tables, tables)
         if generations:
             say(f"scoring {len(generations)} greedy continuations on {reference.name} (decode vs reference)")
             decode_pairs = [(reference.score(g.sequence), g.steps) for g in generations]
@@ -149,6 +152,34 @@ def _which_path(prefill: Result, decode: Result) -> Result:
                                         "echoed prompt log-probs are produced or aligned)")
     return failed(check, "decode", "teacher-forced prefill agrees with the reference but decode does not: the "
                                    "decode path (KV cache, single-token kernels, scheduler) is wrong")
+
+
+MAX_PLOTTED_SEQUENCES = 4
+
+
+def per_position(metrics, ref_tables: Sequence[TokenLogprobs], tables: Sequence[TokenLogprobs]) -> list[dict]:
+    """Per-position series for the HTML plots: KL, argmax agreement and entropies (nats),
+    one dict per sequence (the first few), NaN-free lists with None where a row was not compared."""
+    out = []
+    for seq in range(min(len(tables), MAX_PLOTTED_SEQUENCES)):
+        n = len(tables[seq])
+        kl: list[float | None] = [None] * n
+        agree: list[float | None] = [None] * n
+        rows = np.flatnonzero(metrics.sequence == seq)
+        for i in rows:
+            kl[int(metrics.position[i])] = float(max(metrics.kl[i], 0.0))
+            agree[int(metrics.position[i])] = float(metrics.agree[i])
+        out.append({"prompt": f"prompt {seq}", "kl": kl, "argmax_agree": agree,
+                    "entropy": _entropy(tables[seq]), "ref_entropy": _entropy(ref_tables[seq])})
+    return out
+
+
+def _entropy(table: TokenLogprobs) -> list[float | None] | None:
+    if not table.full:
+        return None  # top-k only: the entropy is not known
+    lp = table.logprobs.astype(np.float64)  # [T, V]
+    ent = -(np.exp(lp) * np.where(np.isfinite(lp), lp, 0.0)).sum(axis=1)
+    return [float(e) if ok else None for e, ok in zip(ent, table.present)]
 
 
 def _short(engine: Engine) -> str:

@@ -182,7 +182,16 @@ class _LoadedWeights(Mapping):
     def __getitem__(self, name: str):
         import torch
 
-        return torch.as_tensor(self.engine.weight(name, rank=self.rank))
+        value = torch.as_tensor(self.engine.weight(name, rank=self.rank))
+        # numpy has no bfloat16: an engine holding bf16/fp16 parameters hands them over
+        # widened to fp32. Narrowing back is exact for such values and lets the audit apply
+        # that dtype's rounding tolerance; a genuinely fp32 weight that was wrong stays wrong.
+        held = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.engine.capabilities.activation_dtype)
+        if held is not None and value.dtype == torch.float32:
+            narrowed = value.to(held)
+            if torch.equal(narrowed.float(), value):
+                value = narrowed
+        return value
 
     def items(self):
         from ggufcheck.engines.base import Unsupported
