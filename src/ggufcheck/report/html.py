@@ -43,6 +43,7 @@ def line_chart(
     series: Sequence[tuple[str, Sequence[float | None]]],
     *,
     log_y: bool = False,
+    y_range: tuple[float, float] | None = None,
     x_label: str = "",
     width: int = 720,
     height: int = 260,
@@ -58,6 +59,8 @@ def line_chart(
         return math.log10(v) if log_y else v
 
     lo, hi = min(map(tr, points)), max(map(tr, points))
+    if y_range is not None:
+        lo, hi = tr(y_range[0]), tr(y_range[1])
     if hi - lo < 1e-12:
         lo, hi = lo - 1, hi + 1
     w, h = width - pad_l - pad_r, height - pad_t - pad_b
@@ -74,7 +77,7 @@ def line_chart(
              f'<line x1="{pad_l}" y1="{pad_t}" x2="{pad_l}" y2="{pad_t + h}" stroke="#888"/>']
     for frac in (0.0, 0.5, 1.0):
         val = lo + (hi - lo) * frac
-        label = f"1e{val:.1f}" if log_y else f"{val:.3g}"
+        label = f"{10 ** val:.2g}" if log_y else f"{val:.3g}"
         y = pad_t + h * (1 - frac)
         parts.append(f'<text x="{pad_l - 5}" y="{y + 4:.1f}" font-size="10" text-anchor="end">{label}</text>')
     parts.append(f'<text x="{pad_l + w / 2}" y="{height - 5}" font-size="11" text-anchor="middle">{_esc(x_label)}</text>')
@@ -113,7 +116,8 @@ def _plots(stages: Iterable[StageReport]) -> list[str]:
             out.append(line_chart(
                 f"{stage.stage}: per-layer error vs baseline",
                 [("engine error", [r.get("error") for r in per_layer]),
-                 ("baseline", [r.get("baseline") for r in per_layer])],
+                 ("baseline", [r.get("baseline") for r in per_layer])]
+                + ([("limit", [r.get("limit") for r in per_layer])] if any("limit" in r for r in per_layer) else []),
                 log_y=True, x_label="layer",
             ))
         per_position = stage.info.get("per_position")
@@ -126,8 +130,9 @@ def _plots(stages: Iterable[StageReport]) -> list[str]:
                                           [("KL", run["kl"])], log_y=True, x_label="position"))
                 if run.get("argmax_agree"):
                     out.append(line_chart(f"argmax agreement per position{name}",
-                                          [("agree (1) / differ (0)", [float(v) for v in run["argmax_agree"]])],
-                                          x_label="position"))
+                                          [("agree (1) / differ (0)",
+                                            [None if v is None else float(v) for v in run["argmax_agree"]])],
+                                          y_range=(0.0, 1.0), x_label="position"))
                 if run.get("entropy"):
                     series = [("engine entropy", run["entropy"])]
                     if run.get("ref_entropy"):
