@@ -214,8 +214,6 @@ def _hypotheses_attention(cfg) -> list[tuple[str, str, dict | None, Callable | N
 
 
 def _hypotheses_ffn(cfg, moe_layer: bool) -> list[tuple[str, str, dict | None, Callable | None]]:
-    from ggufcheck.testing import faults
-
     out: list[tuple[str, str, dict | None, Callable | None]] = []
     for eps in EPS_CANDIDATES:
         if not math.isclose(eps, cfg.rms_eps, rel_tol=1e-3):
@@ -398,7 +396,6 @@ def _localize(i: int, runs, reference, baseline_reference, kinds: set[str], opts
     jac_worst: dict = {"value": 2.0}
     ov_worst: dict = {"value": 2.0}
     fit_num = fit_den = 0.0
-    fit_res = _Err()
     cases = []  # per sequence: (n, target, routed) for the routed-scale fit
     hyp_inputs = []  # per sequence: what the hypotheses replay
     for n, (eng, ref_trace, _b) in enumerate(runs):

@@ -65,7 +65,7 @@ from ggufcheck.reference.config import ReferenceConfig
 from ggufcheck.reference.model import ReferenceModel
 from ggufcheck.reference.weights import WeightStore
 from ggufcheck.sharding.faults import KV_B_ALL_K_THEN_V
-from ggufcheck.sharding.mla import VLLM_LAYOUT, KvBLayout, rank_uk_uv, split_uk_uv
+from ggufcheck.sharding.mla import KvBLayout, rank_uk_uv, split_uk_uv
 
 Weights = dict[str, Tensor]
 MLA_ARCHS = frozenset({"deepseek2", "glm-dsa"})
