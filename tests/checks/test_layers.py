@@ -165,8 +165,6 @@ def test_served_faults_pass_layers_and_fail_their_stage(models, arch, name):
         assert verdict.component == "decode", verdict.message
 
 
-@pytest.mark.xfail(reason="compare's logits.decode_kl_mean names 'decode' when prefill is wrong too, and the "
-                          "verdict prefers it over the generic 'output' (reported to the lead)", strict=False)
 def test_flat_output_verdict_is_output(models):
     layers, served = _served(models("llama"), "flat-output", _prompts(4))
     verdict = decide([layers, *served])

@@ -69,6 +69,8 @@ def hf_params(spec: ArchSpec, table: TensorTable, names, layout: str = "checkpoi
             rule = ShardRule("column", 0)
         else:
             rule = base
+        if g.transform in ("unstack_experts", "fuse_gate_up", "split_fused_gate_up"):
+            component = "moe-experts"  # a wrong routed-expert parameter (e.g. experts in the wrong order)
         for name in transform.hf_names(spec, g.hf_name):
             out[name] = HFParam(name, rule, g, component)
     return out
@@ -194,7 +196,7 @@ def _diagnose(got: Tensor, want: Tensor, full: Tensor, param: HFParam, rank: int
         for other in range(tp):  # someone else's slice?
             if other != rank and _close(got, shard(full, rule, other, tp, n_kv))[0]:
                 return (f"holds rank {other}'s slice instead of its own (a loader ignoring the rank)",
-                        "sharding" if component == "weights" else component, {"holds_rank": other})
+                        "sharding" if component in ("weights", "moe-experts") else component, {"holds_rank": other})
         return (f"values differ from the expected slice (max |diff| {diff:.3g})", component,
                 {"max_abs_diff": diff})
     if tp > 1 and rule is not REPLICATED and tuple(got.shape) == tuple(full.shape):
