@@ -2,7 +2,8 @@
 
     reference[:fp32|fp64]        ggufcheck's reference model over MODEL.gguf
     hf[:fp32|bf16|fp16|fp64]     transformers model rebuilt from MODEL.gguf by ggufcheck
-    llama-cpp[:key=value,...]    llama.cpp in process (n_ctx=, n_threads=, n_batch=)
+    llama-cpp[:key=value,...]    llama.cpp in process (n_ctx=, n_threads=, n_batch=, seed=,
+                                 type_k=/type_v= KV-cache ggml types: 0 F32, 1 F16 default)
     http://HOST:PORT[/v1][?kind=vllm|llama-cpp-python|llama-server]
     python:MODULE:FACTORY        a user's own engine: FACTORY(model_path) -> Engine
 
@@ -48,7 +49,7 @@ def open_engine(spec: str, model_path: str | Path | None, **kwargs) -> Engine:
     if head == "llama-cpp":
         from ggufcheck.engines.llama_cpp import LlamaCppEngine
 
-        allowed = {"n_ctx", "n_threads", "n_batch", "seed"}
+        allowed = {"n_ctx", "n_threads", "n_batch", "seed", "type_k", "type_v"}  # type_k/v: ggml type, 0 = F32 KV cache
         opts = _options(rest, spec)
         unknown = set(opts) - allowed
         if unknown:
