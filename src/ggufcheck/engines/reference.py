@@ -88,11 +88,15 @@ class ReferenceEngine(Engine):
             parts = [self.model.forward(tokens[i:i + chunk_size], cache)[0] for i in range(0, len(tokens), chunk_size)]
         return self._table(tokens, self._torch.cat(parts, dim=0))
 
-    def generate(self, prompt: Sequence[int], max_new_tokens: int, *, top_k: int = 20) -> Generation:
+    def _decode_cache(self, prompt_length: int):
+        """The KV cache ``generate`` decodes through (fault engines substitute a broken one)."""
         from ggufcheck.reference.cache import KVCache
 
+        return KVCache()
+
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, *, top_k: int = 20) -> Generation:
         prompt = [int(t) for t in prompt]
-        cache = KVCache()
+        cache = self._decode_cache(len(prompt))
         n = len(prompt) + max_new_tokens
         table = np.zeros((n, self.vocab_size), dtype=np.float64)  # [T, V]
         generated: list[int] = []

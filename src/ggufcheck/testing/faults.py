@@ -56,7 +56,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ggufcheck.engines.base import Capabilities, Engine, Generation, LayerTrace, LAYER_KINDS, Unsupported
+from ggufcheck.engines.base import Capabilities, Engine, LayerTrace, LAYER_KINDS, Unsupported
 from ggufcheck.engines.faults import FlatDistribution
 from ggufcheck.engines.reference import ReferenceEngine
 from ggufcheck.errors import UsageError
@@ -241,30 +241,11 @@ class FaultyReferenceEngine(ReferenceEngine):
         self._hf = None
 
     # -- decode with a corrupting cache ------------------------------------------------
-    def generate(self, prompt: Sequence[int], max_new_tokens: int, *, top_k: int = 20) -> Generation:
+    def _decode_cache(self, prompt_length: int):
         after = self.patch.decode_corrupt_after
         if after is None:
-            return super().generate(prompt, max_new_tokens, top_k=top_k)
-        from ggufcheck.engines.base import TokenLogprobs
-
-        prompt = [int(t) for t in prompt]
-        cache = _CorruptingKVCache(len(prompt) + max(after, 1) - 1)  # decode step `after` is the first wrong one
-        n = len(prompt) + max_new_tokens
-        table = np.zeros((n, self.vocab_size), dtype=np.float64)  # [T, V]
-        generated: list[int] = []
-        with torch.no_grad():
-            logits = self.model.forward(prompt, cache)[0][-1]
-            for step in range(max_new_tokens):
-                row = torch.log_softmax(logits.to(torch.float64), dim=-1).cpu().numpy()
-                table[len(prompt) - 1 + step] = row
-                token = int(np.argmax(row))
-                generated.append(token)
-                if step + 1 < max_new_tokens:
-                    logits = self.model.forward([token], cache)[0][-1]
-        present = np.zeros(n, dtype=bool)
-        present[len(prompt) - 1:len(prompt) - 1 + max_new_tokens] = True
-        steps = TokenLogprobs(prompt + generated, self.vocab_size, table, present=present)
-        return Generation(np.array(prompt), np.array(generated), steps)
+            return super()._decode_cache(prompt_length)
+        return _CorruptingKVCache(prompt_length + max(after, 1) - 1)  # decode step `after` is the first wrong one
 
     # -- loaded weights ------------------------------------------------------------------
     def _hf_index(self):
