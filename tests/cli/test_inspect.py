@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 
 from ggufcheck.cli import main
 from ggufcheck.testing import filefaults

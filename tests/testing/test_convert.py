@@ -8,7 +8,6 @@ not write, give the same log-probabilities on the same tokens.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 

@@ -305,7 +305,7 @@ def compare(cfg: ReferenceConfig, rules: dict[str, ShardRule], job: LayerJob, wa
                               f"{what}: max |diff| {worst_diff:.3g} > {tol:.3g} at element {list(idx)}; "
                               + (f"wrong partial results on rank(s) {worst['ranks_with_wrong_partials']}, worst rank "
                                  f"{worst['rank']}" if worst.get("ranks_with_wrong_partials") else
-                                 f"every rank's partial is right: the collective or the combination is wrong"),
+                                 "every rank's partial is right: the collective or the combination is wrong"),
                               stats=stats, worst=worst, **where))
     if "padding_max" in per_rank[0]:
         n_pad = pad_vocab(next(iter(job.weights.values())).shape[0]) - next(iter(job.weights.values())).shape[0]

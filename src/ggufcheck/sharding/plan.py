@@ -139,7 +139,7 @@ def check_vocab(vocab: int, tp: int) -> Result:
     per = padded // tp
     padding = {r: max(0, min(per, (r + 1) * per - vocab)) for r in range(tp) if (r + 1) * per > vocab}
     stats.update(per_rank=per, padding_rows_by_rank=padding)
-    pad_note = (f"; padding rows (must be zero): " + ", ".join(f"rank {r}: {n}" for r, n in padding.items())
+    pad_note = ("; padding rows (must be zero): " + ", ".join(f"rank {r}: {n}" for r, n in padding.items())
                 if padding else "; no padding rows")
     return passed("sharding.plan.vocab", COMPONENT,
                   f"vocabulary {vocab} -> padded {padded} = {tp} x {per} rows{pad_note}", stats=stats)
