@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ggufcheck.diagnose.verdict import Verdict, decide
-from ggufcheck.errors import EngineUnreachable, GGUFCheckError, Unavailable
+from ggufcheck.errors import EngineUnreachable, GGUFCheckError, Unavailable, UsageError
 from ggufcheck.results import StageReport, errored, skipped
 
 Progress = Callable[[str], None]
@@ -338,8 +338,8 @@ def diagnose(options: DiagnoseOptions, progress: Progress | None = None, engine:
             t0 = time.perf_counter()
             try:
                 reports = stage.run(ctx)
-            except EngineUnreachable:
-                raise
+            except (EngineUnreachable, UsageError):
+                raise  # an unreachable engine (exit 3) or a bad --engine / option (exit 2) ends the run
             except Unavailable as err:
                 reports = [StageReport(stage.name)]
                 reports[0].add(skipped(stage.name, stage.skip_component, f"unavailable: {err.message}"))
