@@ -267,6 +267,26 @@ class Engine(abc.ABC):
         self.close()
 
 
+class GGUFVocabTokenizer:
+    """Mixin: ``tokenize`` / ``detokenize`` through the GGUF's own vocabulary.
+
+    The adapter sets ``self._tokenizer`` (a :class:`ggufcheck.tokenizer.Tokenizer`) or leaves
+    it None, in which case the Engine defaults raise :class:`Unsupported` with the reason.
+    """
+
+    _tokenizer: Any = None
+
+    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        if self._tokenizer is None:
+            return super().tokenize(text)  # type: ignore[misc]
+        return list(self._tokenizer.encode(text, add_special=add_special, parse_special=True))
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        if self._tokenizer is None:
+            return super().detokenize(tokens)  # type: ignore[misc]
+        return self._tokenizer.decode([int(t) for t in tokens])
+
+
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     """Row-wise log-softmax in float64 (a constant shift of the logits is not an error)."""
     x = np.asarray(logits, dtype=np.float64)

@@ -21,6 +21,7 @@ from ggufcheck.engines.base import (
     LAYER_KINDS,
     Capabilities,
     Engine,
+    GGUFVocabTokenizer,
     Generation,
     LayerTrace,
     TokenLogprobs,
@@ -84,7 +85,7 @@ def hf_config(spec: Any) -> dict[str, Any]:
     return cfg
 
 
-class HFEngine(Engine):
+class HFEngine(GGUFVocabTokenizer, Engine):
     """A transformers causal LM (``torch.nn.Module``) in ``dtype`` on CPU or CUDA."""
 
     def __init__(self, module: Any, *, dtype: str = "fp32", name: str = "hf", tokenizer: Any = None):
@@ -141,16 +142,6 @@ class HFEngine(Engine):
             except Exception:  # noqa: BLE001
                 tokenizer = None
         return cls(module, dtype=dtype, name=f"hf {spec.arch} {dtype} ({Path(model_path).name})", tokenizer=tokenizer)
-
-    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
-        if self._tokenizer is None:
-            return super().tokenize(text)
-        return list(self._tokenizer.encode(text, add_special=add_special, parse_special=True))
-
-    def detokenize(self, tokens: Sequence[int]) -> str:
-        if self._tokenizer is None:
-            return super().detokenize(tokens)
-        return self._tokenizer.decode([int(t) for t in tokens])
 
     def _logprobs(self, batch: list[list[int]]) -> list[np.ndarray]:
         torch = self._torch

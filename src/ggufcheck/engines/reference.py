@@ -14,10 +14,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ggufcheck.engines.base import LAYER_KINDS, Capabilities, Engine, Generation, LayerTrace, TokenLogprobs, reasons
+from ggufcheck.engines.base import LAYER_KINDS, Capabilities, Engine, GGUFVocabTokenizer, Generation, LayerTrace, TokenLogprobs, reasons
 
 
-class ReferenceEngine(Engine):
+class ReferenceEngine(GGUFVocabTokenizer, Engine):
     """The reference model over a GGUF file, ``dtype`` "fp64" (default) or "fp32"."""
 
     def __init__(self, model_path: str | Path, *, dtype: str = "fp64", device: str = "cpu", **options: Any):
@@ -49,16 +49,6 @@ class ReferenceEngine(Engine):
             return True, None
         except Exception as err:  # noqa: BLE001 - any tokenizer problem just removes the capability
             return False, f"the GGUF's tokenizer is unavailable here: {err}"
-
-    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
-        if self._tokenizer is None:
-            return super().tokenize(text)
-        return list(self._tokenizer.encode(text, add_special=add_special, parse_special=True))
-
-    def detokenize(self, tokens: Sequence[int]) -> str:
-        if self._tokenizer is None:
-            return super().detokenize(tokens)
-        return self._tokenizer.decode([int(t) for t in tokens])
 
     def _table(self, tokens: list[int], logits: Any) -> TokenLogprobs:
         logp = self._torch.log_softmax(logits.to(self._torch.float64), dim=-1).cpu().numpy()  # [T, V]
