@@ -7,6 +7,16 @@ byte is read once and its fields are split with constant shifts (``x & 3``, ``(x
 ...) into the outputs it feeds: that shape is what LLVM vectorizes (2-4x over a loop with
 a per-element variable shift, measured on the K-quants).
 
+Vectorizing: a per-block loop with a constant trip count (``range(32)``) is fully unrolled by
+LLVM and then left to the SLP vectorizer, which must keep every load of ``row`` after the
+previous store to ``orow`` (it cannot prove the two arrays apart), so it emits scalar code.
+Where that mattered (Q8_0, Q4_0, Q4_1) the trip count is read from the output's shape
+(``w = o2.shape[1]``, i.e. 32, unknown at compile time): the loop vectorizer then takes the
+loop, with a runtime overlap check, and emits 8-wide int->float converts and multiplies
+(1.5-2x measured into a reused buffer, reaching the machine's fill rate). Types whose inner
+loop is a table lookup (IQ4_NL) or which SLP already vectorizes (Q2_K) measured no faster
+that way and keep constant trip counts.
+
 Bit-exactness rules followed everywhere (gguf-py is the oracle):
 - every value is float32 and every product/sum is one float32 IEEE operation, in gguf-py's
   order (e.g. Q4_1 is ``(d * q) + m``, two roundings; no fused multiply-add: numba emits no
@@ -65,10 +75,11 @@ def bf16(src, out_bits):  # out_bits: the float32 output viewed as uint32
 def q4_0(src, out, h):
     # [d f16][qs 16]; e = hi*16 + k: (qs[k] >> 4*hi) & 15, minus 8; d * q
     s2, o2 = src.reshape(-1, 18), out.reshape(-1, 32)  # (n_blocks, bytes), (n_blocks, elements)
+    w = o2.shape[1] >> 1  # 16, opaque to LLVM: see "vectorizing" above
     for b in prange(s2.shape[0]):
         row, orow = s2[b], o2[b]
         d = h[_u16(row, 0)]
-        for k in range(16):
+        for k in range(w):
             x = np.int32(row[2 + k])
             orow[k] = d * F32((x & 15) - 8)
             orow[16 + k] = d * F32((x >> 4) - 8)
@@ -78,11 +89,12 @@ def q4_0(src, out, h):
 def q4_1(src, out, h):
     # [d f16][m f16][qs 16]; (d * q) + m
     s2, o2 = src.reshape(-1, 20), out.reshape(-1, 32)  # (n_blocks, bytes), (n_blocks, elements)
+    w = o2.shape[1] >> 1  # 16, opaque to LLVM
     for b in prange(s2.shape[0]):
         row, orow = s2[b], o2[b]
         d = h[_u16(row, 0)]
         m = h[_u16(row, 2)]
-        for k in range(16):
+        for k in range(w):
             x = np.int32(row[4 + k])
             orow[k] = d * F32(x & 15) + m
             orow[16 + k] = d * F32(x >> 4) + m
@@ -125,10 +137,11 @@ def q5_1(src, out, h):
 def q8_0(src, out, h):
     # [d f16][qs int8 32]; x * d
     s2, o2 = src.reshape(-1, 34), out.reshape(-1, 32)  # (n_blocks, bytes), (n_blocks, elements)
+    w = o2.shape[1]  # 32, opaque to LLVM
     for b in prange(s2.shape[0]):
         row, orow = s2[b], o2[b]
         d = h[_u16(row, 0)]
-        for k in range(32):
+        for k in range(w):
             orow[k] = F32(np.int8(row[2 + k])) * d
 
 
