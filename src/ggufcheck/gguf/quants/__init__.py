@@ -10,8 +10,8 @@ Public API:
 Paths: every type ``gguf.quants.dequantize`` supports has a numba kernel (``cpu.py``,
 ``parallel=True``, ``cache=True``); without numba, or with ``GGUFCHECK_DEQUANT=gguf-py``, or
 if a kernel fails to compile, the type falls back to gguf-py (same bits, slower). CUDA:
-Triton kernels (``gpu.py``) for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K..Q6_K, IQ4_XS;
-other types dequantize on the CPU and are copied over.
+Triton kernels (``gpu.py``) for every type except F32 (a view); without Triton, types
+dequantize on the CPU and are copied over.
 
 First call: compiling one kernel takes about 1-5 s; numba caches it on disk, after which
 the first call in a new process costs about 1 s (numba import and thread start) plus ~0.05 s
