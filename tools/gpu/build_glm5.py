@@ -49,16 +49,8 @@ def glm5_dims(**overrides) -> tiny.TinyDims:
 
 
 def _one(name: str, shape: tuple[int, ...], qt, seed: int):
-    """random_weights' formula for one tensor, then encode (see tiny.random_weights)."""
-    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-    x = rng.standard_normal(shape, dtype=np.float32)
-    if name.endswith(".bias"):
-        x *= 0.1
-    elif len(shape) == 1:
-        x = 1.0 + 0.1 * x
-    else:
-        fan_in = shape[1] if name.endswith("attn_k_b.weight") else shape[-1]
-        x *= np.float32(1.0 / np.sqrt(fan_in))
+    """tiny.random_tensor for one tensor, then encode it."""
+    x = tiny.random_tensor(name, shape, seed)
     arr = tiny.encode(x, qt, np.random.default_rng([seed, zlib.crc32(name.encode()), 1]))
     return name, arr
 

@@ -379,6 +379,20 @@ def tokenizer_metadata(n_vocab: int) -> dict[str, tuple[Any, T]]:
 # weights and encoding
 
 
+def random_tensor(name: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
+    """One tensor of :func:`random_weights`, seeded by (seed, name): streaming builders call it per tensor."""
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    x = rng.standard_normal(shape, dtype=np.float32)
+    if name.endswith(".bias"):
+        x *= 0.1
+    elif len(shape) == 1:
+        x = 1.0 + 0.1 * x
+    else:  # the contracted (input) dim is the last one, except k_b [H, L, P]: L
+        fan_in = shape[1] if name.endswith("attn_k_b.weight") else shape[-1]
+        x *= np.float32(1.0 / np.sqrt(fan_in))
+    return x
+
+
 def random_weights(d: TinyDims, seed: int = 0) -> dict[str, np.ndarray]:
     """Float32 weights for every tensor (numpy shapes), deterministic per (seed, name).
 
@@ -393,16 +407,7 @@ def random_weights(d: TinyDims, seed: int = 0) -> dict[str, np.ndarray]:
     generate = tensor_shapes(dataclasses.replace(d, kv_b="both")) if d.kv_b == "fused" else wanted
     out = {}
     for name, shape in generate.items():
-        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-        x = rng.standard_normal(shape, dtype=np.float32)
-        if name.endswith(".bias"):
-            x *= 0.1
-        elif len(shape) == 1:
-            x = 1.0 + 0.1 * x
-        else:  # the contracted (input) dim is the last one, except k_b [H, L, P]: L
-            fan_in = shape[1] if name.endswith("attn_k_b.weight") else shape[-1]
-            x *= np.float32(1.0 / np.sqrt(fan_in))
-        out[name] = x
+        out[name] = random_tensor(name, shape, seed)
     for name in list(out):
         if name.endswith("attn_kv_b.weight") and name.replace("kv_b", "k_b") in out:
             k_b, v_b = out[name.replace("kv_b", "k_b")], out[name.replace("kv_b", "v_b")]
