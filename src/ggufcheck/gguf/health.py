@@ -1,9 +1,14 @@
 """Health scan of tensor data: NaN/Inf in values and block scales, zero rows, magnitudes.
 
-Streams every tensor in row chunks through the dequantize entry point, so memory stays
-bounded whatever the model size. Block scales are read straight from the raw blocks for
-the common quant types, so a corrupted scale is reported with its block index (a NaN scale
-turns a whole block NaN; an Inf one, NaN or Inf), not only as "some values are NaN".
+Streams every tensor in row chunks, so memory stays bounded whatever the model size. The fast
+path is one fused pass per chunk (``quants.fused_row_stats``: decode each row in cache, take
+its statistics and check its blocks' f16 scales, without writing the values out), so a
+400 GB file is scanned near the disk's read rate; rows holding NaN/Inf are then redone
+exactly. Without numba (or with ``GGUFCHECK_DEQUANT=gguf-py``) the plain path dequantizes
+1 MB chunks through the dequantize entry point and reads the scales with numpy. Both give
+the same counts, max |x| and first bad block/element; mean and std agree to float64
+rounding (summation order). A corrupted scale is reported with its block index (a NaN
+scale turns a whole block NaN; an Inf one, NaN or Inf), not only as "some values are NaN".
 """
 
 from __future__ import annotations
@@ -14,22 +19,19 @@ from typing import Callable, Iterable
 import gguf
 import numpy as np
 
+from ggufcheck.gguf import quants
 from ggufcheck.gguf.dequant import dequantize_into
+from ggufcheck.gguf.quants.tables import F16_SCALE_FIELDS as SCALE_FIELDS
 from ggufcheck.gguf.reader import GGUFModel, TensorInfo
 from ggufcheck.gguf.stats import chunk_stats
 
 Q = gguf.GGMLQuantizationType
 
-# byte offsets of the f16 scale fields inside one block (from gguf-py's block layouts)
-SCALE_FIELDS: dict[gguf.GGMLQuantizationType, tuple[int, ...]] = {
-    Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
-    Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
-    Q.IQ4_NL: (0,), Q.IQ4_XS: (0,),
-}
-
 # A weight this large overflows fp16 (65504) and is far outside any trained model's range.
 ABSURD_MAGNITUDE = 65504.0
-CHUNK_ELEMENTS = 1 << 18  # 1 MB of float32 per chunk: stays in cache between dequant and stats
+CHUNK_ELEMENTS = 1 << 18  # plain path: 1 MB of float32 per chunk, stays in cache between dequant and stats
+FUSED_CHUNK_BYTES = 64 << 20  # fused path: raw bytes per call (the pages are released after each)
+FUSED_MAX_ROW_ELEMENTS = 1 << 24  # the fused pass decodes a whole row into scratch; longer rows take the plain path
 
 
 @dataclass
@@ -64,35 +66,31 @@ class TensorHealth:
         }
 
 
-def scan_tensor(model: GGUFModel, info: TensorInfo) -> TensorHealth:
-    """Dequantize one tensor chunk by chunk and collect its health statistics."""
+def scan_tensor(model: GGUFModel, info: TensorInfo, fused: bool = True) -> TensorHealth:
+    """Dequantize one tensor chunk by chunk and collect its health statistics.
+
+    ``fused=False`` forces the plain path (the fused path's tests and benchmark compare both).
+    """
     h = TensorHealth(info.name, info.qtype.name, info.n_elements, n_rows=info.n_rows)
     if info.n_elements == 0:
         h.problems.append("tensor has no elements")
         return h
-    _scan_scales(model, info, h)
-    rows_per_chunk = max(1, CHUNK_ELEMENTS // max(1, info.row_elements))
-    # one reused buffer: a fresh 1 MB array per chunk costs more in page faults than the work
-    buffer = np.empty(rows_per_chunk * info.row_elements, dtype=np.float32)
-    total = 0.0
-    total_sq = 0.0
-    for start in range(0, info.n_rows, rows_per_chunk):
-        stop = min(info.n_rows, start + rows_per_chunk)
-        values = buffer[: (stop - start) * info.row_elements].reshape(stop - start, info.row_elements)
-        dequantize_into(model.raw_rows(info.name, start, stop), info.qtype, values)
-        c = chunk_stats(values)
-        if c.first_bad >= 0 and h.first_bad_value is None:
-            h.first_bad_value = start * info.row_elements + c.first_bad
-        h.nan += c.nan
-        h.inf += c.inf
-        h.zero_rows += c.zero_rows
-        h.absmax = max(h.absmax, c.absmax)
-        total += c.total
-        total_sq += c.total_sq
+    sums = np.zeros(2)  # float64 sum and sum of squares of the finite values
+    if not (fused and info.row_elements <= FUSED_MAX_ROW_ELEMENTS and _scan_fused(model, info, h, sums)):
+        h = TensorHealth(info.name, info.qtype.name, info.n_elements, n_rows=info.n_rows)
+        sums[:] = 0.0
+        _scan_scales(model, info, h)
+        _scan_plain(model, info, h, sums)
+        model.release_rows(info.name)
+    _finish(info, h, sums)
+    return h
+
+
+def _finish(info: TensorInfo, h: TensorHealth, sums: np.ndarray) -> None:
     finite_count = info.n_elements - h.nan - h.inf
     if finite_count:
-        h.mean = total / finite_count
-        h.std = float(np.sqrt(max(0.0, total_sq / finite_count - h.mean**2)))
+        h.mean = float(sums[0] / finite_count)
+        h.std = float(np.sqrt(max(0.0, sums[1] / finite_count - h.mean**2)))
     if h.bad_scales:
         h.problems.append(f"{h.bad_scales} block scale(s) NaN/Inf, first in block {h.first_bad_block}")
     if h.nan or h.inf:
@@ -101,7 +99,69 @@ def scan_tensor(model: GGUFModel, info: TensorInfo) -> TensorHealth:
         h.problems.append("every row is all zeros")
     if h.absmax > ABSURD_MAGNITUDE:
         h.problems.append(f"max |value| {h.absmax:.4g} exceeds {ABSURD_MAGNITUDE:g} (fp16 range)")
-    return h
+
+
+def _scan_fused(model: GGUFModel, info: TensorInfo, h: TensorHealth, sums: np.ndarray) -> bool:
+    """The one-pass scan; False (nothing kept) if the fused path is unavailable for this type."""
+    from ggufcheck.gguf.quants import fused as col  # column indices; numba is there if we got rows
+
+    offsets = SCALE_FIELDS.get(info.qtype, ())
+    blocks_per_row = info.row_bytes // info.type_size
+    rows_per_call = max(1, FUSED_CHUNK_BYTES // info.row_bytes)
+    for start in range(0, info.n_rows, rows_per_call):
+        stop = min(info.n_rows, start + rows_per_call)
+        raw = model.raw_rows(info.name, start, stop)
+        rows = quants.fused_row_stats(raw, info.qtype, offsets)
+        if rows is None:
+            return False
+        bad_scale_rows = np.flatnonzero(rows[:, col.FIRST_BAD_SCALE] >= 0)
+        if bad_scale_rows.size and h.first_bad_block is None:
+            r = bad_scale_rows[0]
+            h.first_bad_block = int((start + r) * blocks_per_row + rows[r, col.FIRST_BAD_SCALE])
+        h.bad_scales += int(rows[:, col.BAD_SCALES].sum())
+        finite = rows[:, col.NONFINITE] == 0
+        clean = rows[finite]
+        if clean.size:
+            absmax_bits = np.array([clean[:, col.ABSMAX_BITS].max()], dtype=np.uint32)
+            h.absmax = max(h.absmax, float(absmax_bits.view(np.float32)[0]))
+            h.zero_rows += int((clean[:, col.OR_BITS] == 0).sum())
+            sums += clean[:, col.SUM].sum(), clean[:, col.SUM_SQ].sum()
+        if not finite.all():  # rare: redo the rows holding NaN/Inf exactly, on the plain path
+            _rescan_rows(raw, info, start, np.flatnonzero(~finite), h, sums)
+        model.release_rows(info.name, start, stop)
+    return True
+
+
+def _rescan_rows(raw: np.ndarray, info: TensorInfo, start: int, rows: np.ndarray, h: TensorHealth,
+                 sums: np.ndarray) -> None:
+    """Plain-path statistics of the given rows of a raw chunk (ascending indices)."""
+    batch = max(1, CHUNK_ELEMENTS // info.row_elements)
+    for i in range(0, rows.size, batch):
+        picked = rows[i : i + batch]
+        values = dequantize_into(raw[picked], info.qtype, np.empty((picked.size, info.row_elements), np.float32))
+        _add_chunk(h, sums, chunk_stats(values), lambda flat: (start + int(picked[flat // info.row_elements]))
+                   * info.row_elements + flat % info.row_elements)
+
+
+def _add_chunk(h: TensorHealth, sums: np.ndarray, c, element_of: Callable[[int], int]) -> None:
+    if c.first_bad >= 0 and h.first_bad_value is None:
+        h.first_bad_value = element_of(c.first_bad)
+    h.nan += c.nan
+    h.inf += c.inf
+    h.zero_rows += c.zero_rows
+    h.absmax = max(h.absmax, c.absmax)
+    sums += c.total, c.total_sq
+
+
+def _scan_plain(model: GGUFModel, info: TensorInfo, h: TensorHealth, sums: np.ndarray) -> None:
+    rows_per_chunk = max(1, CHUNK_ELEMENTS // max(1, info.row_elements))
+    # one reused buffer: a fresh 1 MB array per chunk costs more in page faults than the work
+    buffer = np.empty(rows_per_chunk * info.row_elements, dtype=np.float32)
+    for start in range(0, info.n_rows, rows_per_chunk):
+        stop = min(info.n_rows, start + rows_per_chunk)
+        values = buffer[: (stop - start) * info.row_elements].reshape(stop - start, info.row_elements)
+        dequantize_into(model.raw_rows(info.name, start, stop), info.qtype, values)
+        _add_chunk(h, sums, chunk_stats(values), lambda flat: start * info.row_elements + flat)
 
 
 def _scan_scales(model: GGUFModel, info: TensorInfo, h: TensorHealth) -> None:
@@ -126,11 +186,12 @@ def scan_model(
     model: GGUFModel,
     tensors: Iterable[TensorInfo] | None = None,
     progress: Callable[[TensorInfo], None] | None = None,
+    fused: bool = True,
 ) -> list[TensorHealth]:
     """Scan every tensor (or the given ones); ``progress`` is called after each."""
     out = []
     for info in tensors if tensors is not None else model.tensors.values():
-        out.append(scan_tensor(model, info))
+        out.append(scan_tensor(model, info, fused=fused))
         if progress is not None:
             progress(info)
     return out

@@ -5,6 +5,8 @@ Public API:
   (``dequantize_into`` fills a caller's preallocated buffer: row chunks of big tensors);
 - :func:`dequantize_torch`: a uint8 torch tensor (CPU or CUDA) -> float32/float16/bfloat16
   on its device; CUDA runs Triton kernels where this package has them;
+- :func:`fused_row_stats`: the health scan's one-pass dequantize-and-statistics per row
+  (``fused.py``), or None where only the plain path exists;
 - :func:`cpu_path` / :func:`gpu_path`: which implementation a type takes and why.
 
 Paths: every type ``gguf.quants.dequantize`` supports has a numba kernel (``cpu.py``,
@@ -18,7 +20,8 @@ the first call in a new process costs about 1 s (numba import and thread start) 
 per further type.
 """
 
-from ggufcheck.gguf.quants.host import FORCE_ENV, KERNELS, cpu_path, dequantize, dequantize_into
+from ggufcheck.gguf.quants.host import FORCE_ENV, KERNELS, cpu_path, dequantize, dequantize_into, fused_row_stats
 from ggufcheck.gguf.quants.device import dequantize_torch, gpu_path
 
-__all__ = ["FORCE_ENV", "KERNELS", "cpu_path", "dequantize", "dequantize_into", "dequantize_torch", "gpu_path"]
+__all__ = ["FORCE_ENV", "KERNELS", "cpu_path", "dequantize", "dequantize_into", "dequantize_torch",
+           "fused_row_stats", "gpu_path"]

@@ -79,6 +79,7 @@ KERNELS: dict[Q, Kernel] = {
 }
 
 _broken: dict[Q, str] = {}  # types whose kernel failed to compile or run -> why
+_broken_fused: dict[Q, str] = {}  # same, for the fused health-scan pass
 # numba's 'workqueue' threads sleep when idle; the OpenMP layer it picks when torch brought
 # libgomp spin-waits, which measured 4x slower on a shared 2-core machine. workqueue must not be
 # entered from two Python threads at once, hence the lock (each call uses every core anyway).
@@ -159,6 +160,32 @@ def _run_kernel(qtype: Q, src: np.ndarray, out: np.ndarray) -> bool:
     except Exception as err:  # numba TypingError / LoweringError, llvmlite failures
         _broken[qtype] = f"numba kernel failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
         return False
+
+
+def fused_row_stats(raw2d: np.ndarray, qtype: Q, scale_offsets: tuple[int, ...]) -> np.ndarray | None:
+    """Per-row health statistics of raw rows ``(n_rows, row_bytes)`` in one fused pass.
+
+    Returns ``(n_rows, fused.COLUMNS)`` float64 (see ``fused.py``), or None when the fused
+    path is unavailable for ``qtype`` (no numba, ``GGUFCHECK_DEQUANT=gguf-py``, no kernel, or
+    a compile failure, remembered like the kernels' own); the caller then takes the plain path.
+    """
+    if cpu_path(qtype) not in ("numba", "copy") or _numba_unavailable() or qtype in _broken_fused:
+        return None
+    block, size = tables.block_geometry(qtype)
+    try:
+        from ggufcheck.gguf.quants import fused
+
+        _prefer_workqueue()
+        kernel = "f32" if qtype == Q.F32 else KERNELS[qtype].name
+        if qtype != Q.F32 and qtype not in _table_cache:
+            _table_cache[qtype] = KERNELS[qtype].tables()
+        tabs = () if qtype == Q.F32 else _table_cache[qtype]
+        src = np.ascontiguousarray(raw2d)
+        with _kernel_lock:
+            return fused.scan_rows(kernel, src, src.shape[1] // size * block, tabs, size, scale_offsets)
+    except Exception as err:  # numba TypingError / LoweringError, llvmlite failures
+        _broken_fused[qtype] = f"fused scan failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        return None
 
 
 def _prefer_workqueue() -> None:

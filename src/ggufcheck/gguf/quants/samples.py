@@ -18,14 +18,7 @@ from ggufcheck.gguf.quants import tables
 
 Q = gguf.GGMLQuantizationType
 
-# byte offsets of the float16 scale fields inside one block (gguf-py's block layouts)
-F16_FIELDS: dict[Q, tuple[int, ...]] = {
-    Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
-    Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
-    Q.TQ1_0: (52,), Q.TQ2_0: (64,),
-    Q.IQ2_XXS: (0,), Q.IQ2_XS: (0,), Q.IQ2_S: (0,), Q.IQ3_XXS: (0,), Q.IQ3_S: (0,),
-    Q.IQ1_S: (0,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,),
-}
+F16_FIELDS = tables.F16_SCALE_FIELDS
 
 # float16 bit patterns every fuzz run must contain: +-0, +-subnormal min/max, +-1, max,
 # +-Inf, quiet and signalling NaN, negative NaN

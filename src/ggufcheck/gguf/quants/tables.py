@@ -26,6 +26,16 @@ IQ4_LEVELS = np.array((-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 
 FP4_LEVELS = np.array((0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12), np.int8)
 IQ1_DELTA = np.float32(0.125)  # ggml's IQ1S_DELTA
 
+# byte offsets of the float16 scale fields inside one block (gguf-py's block layouts); IQ1_M
+# spreads its scale over four nibbles and has no entry
+F16_SCALE_FIELDS: dict[Q, tuple[int, ...]] = {
+    Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
+    Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
+    Q.TQ1_0: (52,), Q.TQ2_0: (64,),
+    Q.IQ2_XXS: (0,), Q.IQ2_XS: (0,), Q.IQ2_S: (0,), Q.IQ3_XXS: (0,), Q.IQ3_S: (0,),
+    Q.IQ1_S: (0,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,),
+}
+
 
 def block_geometry(qtype: Q) -> tuple[int, int]:
     """(elements per block, bytes per block) of ``qtype``."""
