@@ -16,7 +16,7 @@ from rich.console import Console
 from ggufcheck.errors import ExitStatus, UsageError
 from ggufcheck.report.json import report_json, write_json
 from ggufcheck.report.text import render_stage, render_totals
-from ggufcheck.sharding.dist import BACKENDS
+from ggufcheck.sharding import BACKENDS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

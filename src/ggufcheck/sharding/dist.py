@@ -31,8 +31,7 @@ from typing import Any, Callable
 import torch
 
 from ggufcheck.errors import GGUFCheckError, UsageError
-
-BACKENDS = ("auto", "gloo", "nccl")
+from ggufcheck.sharding import BACKENDS
 
 
 class RanksFailed(GGUFCheckError):
