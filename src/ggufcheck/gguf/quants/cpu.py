@@ -10,7 +10,7 @@ a per-element variable shift, measured on the K-quants).
 Vectorizing: a per-block loop with a constant trip count (``range(32)``) is fully unrolled by
 LLVM and then left to the SLP vectorizer, which must keep every load of ``row`` after the
 previous store to ``orow`` (it cannot prove the two arrays apart), so it emits scalar code.
-Where that mattered (Q8_0, Q4_0, Q4_1) the trip count is read from the output's shape
+Where that mattered (Q8_0, Q4_0, Q4_1, Q6_K) the trip count is read from the output's shape
 (``w = o2.shape[1]``, i.e. 32, unknown at compile time): the loop vectorizer then takes the
 loop, with a runtime overlap check, and emits 8-wide int->float converts and multiplies
 (1.5-2x measured into a reused buffer, reaching the machine's fill rate). Types whose inner
@@ -307,6 +307,7 @@ def q6_k(src, out, h):
     # low = (ql[a*64 + (mm%2)*32 + l] >> 4*(mm//2)) & 15; high = (qh[a*32 + l] >> 2*mm) & 3
     # q = (low | high<<4) - 32; (d * sc[e//16]) * q
     s2, o2 = src.reshape(-1, 210), out.reshape(-1, 256)  # (n_blocks, bytes), (n_blocks, elements)
+    w = o2.shape[1] >> 4  # 16, opaque to LLVM (+15% measured)
     for b in prange(s2.shape[0]):
         row, orow = s2[b], o2[b]
         d = h[_u16(row, 208)]
@@ -316,7 +317,7 @@ def q6_k(src, out, h):
                 dl0, dl1 = d * F32(np.int8(row[g])), d * F32(np.int8(row[g + 2]))
                 dl2, dl3 = d * F32(np.int8(row[g + 4])), d * F32(np.int8(row[g + 6]))
                 o = a * 128 + hl * 16
-                for kk in range(16):
+                for kk in range(w):
                     l = hl * 16 + kk
                     x0 = np.int32(row[a * 64 + l])
                     x1 = np.int32(row[a * 64 + 32 + l])
