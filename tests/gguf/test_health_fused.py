@@ -118,3 +118,13 @@ def test_rows_too_long_for_scratch_take_the_plain_path(model_path, monkeypatch):
         monkeypatch.setattr(quants, "fused_row_stats", lambda *a: pytest.fail("fused path taken"))
         got = health.scan_tensor(model, info)
     assert dataclasses.asdict(got) == dataclasses.asdict(want)
+
+
+def test_read_ahead_is_clipped_to_the_file(model_path):
+    """touch_pages runs past a tensor into the next ones and stops at the end of the file."""
+    with open_gguf(model_path) as model:
+        infos = list(model.tensors.values())
+        for info in (infos[0], infos[-1]):
+            model.touch_pages(info.name, 0, 1 << 40)
+            model.touch_pages(info.name, info.n_rows, 1 << 40)
+        assert health.scan_tensor(model, infos[-1]).n_elements == infos[-1].n_elements

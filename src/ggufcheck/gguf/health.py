@@ -13,6 +13,7 @@ scale turns a whole block NaN; an Inf one, NaN or Inf), not only as "some values
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -102,34 +103,64 @@ def _finish(info: TensorInfo, h: TensorHealth, sums: np.ndarray) -> None:
 
 
 def _scan_fused(model: GGUFModel, info: TensorInfo, h: TensorHealth, sums: np.ndarray) -> bool:
-    """The one-pass scan; False (nothing kept) if the fused path is unavailable for this type."""
+    """The one-pass scan; False (nothing kept) if the fused path is unavailable for this type.
+
+    A background thread pages in the next 64 MB of the file while the cores decode a chunk.
+    """
     from ggufcheck.gguf.quants import fused as col  # column indices; numba is there if we got rows
 
     offsets = SCALE_FIELDS.get(info.qtype, ())
     blocks_per_row = info.row_bytes // info.type_size
     rows_per_call = max(1, FUSED_CHUNK_BYTES // info.row_bytes)
-    for start in range(0, info.n_rows, rows_per_call):
-        stop = min(info.n_rows, start + rows_per_call)
-        raw = model.raw_rows(info.name, start, stop)
-        rows = quants.fused_row_stats(raw, info.qtype, offsets)
-        if rows is None:
-            return False
-        bad_scale_rows = np.flatnonzero(rows[:, col.FIRST_BAD_SCALE] >= 0)
-        if bad_scale_rows.size and h.first_bad_block is None:
-            r = bad_scale_rows[0]
-            h.first_bad_block = int((start + r) * blocks_per_row + rows[r, col.FIRST_BAD_SCALE])
-        h.bad_scales += int(rows[:, col.BAD_SCALES].sum())
-        finite = rows[:, col.NONFINITE] == 0
-        clean = rows[finite]
-        if clean.size:
-            absmax_bits = np.array([clean[:, col.ABSMAX_BITS].max()], dtype=np.uint32)
-            h.absmax = max(h.absmax, float(absmax_bits.view(np.float32)[0]))
-            h.zero_rows += int((clean[:, col.OR_BITS] == 0).sum())
-            sums += clean[:, col.SUM].sum(), clean[:, col.SUM_SQ].sum()
-        if not finite.all():  # rare: redo the rows holding NaN/Inf exactly, on the plain path
-            _rescan_rows(raw, info, start, np.flatnonzero(~finite), h, sums)
-        model.release_rows(info.name, start, stop)
+    pool = _read_ahead_pool()
+    ahead = None
+    try:
+        for start in range(0, info.n_rows, rows_per_call):
+            stop = min(info.n_rows, start + rows_per_call)
+            if ahead is not None:
+                ahead.result()
+            # page in the next chunk (or the next tensor's first) while this one is decoded
+            ahead = pool.submit(model.touch_pages, info.name, stop, FUSED_CHUNK_BYTES)
+            raw = model.raw_rows(info.name, start, stop)
+            rows = quants.fused_row_stats(raw, info.qtype, offsets)
+            if rows is None:
+                return False
+            _add_fused(h, sums, rows, start, blocks_per_row)
+            if not (rows[:, col.NONFINITE] == 0).all():  # rare: redo rows with NaN/Inf exactly, plain path
+                _rescan_rows(raw, info, start, np.flatnonzero(rows[:, col.NONFINITE] != 0), h, sums)
+            model.release_rows(info.name, start, stop)
+    finally:
+        if ahead is not None:
+            ahead.result()
     return True
+
+
+def _add_fused(h: TensorHealth, sums: np.ndarray, rows: np.ndarray, start: int, blocks_per_row: int) -> None:
+    """Fold the fused per-row columns of one chunk (starting at row ``start``) into ``h``."""
+    from ggufcheck.gguf.quants import fused as col
+
+    bad_scale_rows = np.flatnonzero(rows[:, col.FIRST_BAD_SCALE] >= 0)
+    if bad_scale_rows.size and h.first_bad_block is None:
+        r = bad_scale_rows[0]
+        h.first_bad_block = int((start + r) * blocks_per_row + rows[r, col.FIRST_BAD_SCALE])
+    h.bad_scales += int(rows[:, col.BAD_SCALES].sum())
+    clean = rows[rows[:, col.NONFINITE] == 0]  # rows with NaN/Inf are redone on the plain path
+    if clean.size:
+        absmax_bits = np.array([clean[:, col.ABSMAX_BITS].max()], dtype=np.uint32)
+        h.absmax = max(h.absmax, float(absmax_bits.view(np.float32)[0]))
+        h.zero_rows += int((clean[:, col.OR_BITS] == 0).sum())
+        sums += clean[:, col.SUM].sum(), clean[:, col.SUM_SQ].sum()
+
+
+_pool: ThreadPoolExecutor | None = None
+
+
+def _read_ahead_pool() -> ThreadPoolExecutor:
+    """The fused scan's one read-ahead thread (created on first use)."""
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ggufcheck-read-ahead")
+    return _pool
 
 
 def _rescan_rows(raw: np.ndarray, info: TensorInfo, start: int, rows: np.ndarray, h: TensorHealth,
