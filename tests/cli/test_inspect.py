@@ -6,6 +6,7 @@ import json
 
 
 from ggufcheck.cli import main
+from ggufcheck.gguf.reader import open_gguf
 from ggufcheck.testing import filefaults
 from ggufcheck.testing.tiny import build_tiny_gguf
 
@@ -31,6 +32,10 @@ def test_smollm2_is_clean(smollm2_path, tmp_path):
     assert checks["mapping.tensors"]["status"] == "PASS"
     health = [r for r in results if r["check"] == "health.values"]
     assert len(health) == summary["n_tensors"] and all(r["status"] == "PASS" for r in health)
+    scan = doc["stages"][0]["info"]["health_scan"]
+    with open_gguf(smollm2_path) as model:
+        assert scan["tensor_bytes"] == sum(info.nbytes for info in model.tensors.values())
+    assert scan["seconds"] > 0 and scan["mb_per_s"] > 0
 
 
 def test_gemma3_without_table_is_skipped_not_passed(gemma3_path, tmp_path):

@@ -7,6 +7,8 @@ environment. Structural problems that make a file untrustworthy are raised by th
 
 from __future__ import annotations
 
+import time
+
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -146,7 +148,13 @@ def run_file_stage(
     report.add(integrity_results(model))
     report.add(_arch_results(model, options))
     if options.health:
-        report.add(health_results(scan_model(model, progress=progress), model.tensors))
+        started = time.perf_counter()
+        healths = scan_model(model, progress=progress)
+        seconds = time.perf_counter() - started
+        scanned = sum(info.nbytes for info in model.tensors.values())
+        report.info["health_scan"] = {"tensor_bytes": scanned, "seconds": round(seconds, 3),
+                                      "mb_per_s": round(scanned / 1e6 / seconds, 1) if seconds > 0 else None}
+        report.add(health_results(healths, model.tensors))
     else:
         report.add(skipped("health.values", "dequant", "health scan disabled (--no-health)"))
     return report

@@ -60,6 +60,10 @@ def run(args: argparse.Namespace) -> int:
     stage.info["elapsed_s"] = elapsed
     render_stage(console, stage, verbose=options.verbose)
     render_totals(console, [stage])
+    scan = stage.info.get("health_scan")
+    if scan and scan["mb_per_s"]:
+        console.print(f"[dim]health scan: {scan['tensor_bytes'] / 1e6:,.0f} MB in {scan['seconds']:.1f} s "
+                      f"({scan['mb_per_s']:,.0f} MB/s, kernel loading included)[/]")
     if options.json:
         write_json(options.json, report_json("inspect", [stage], model=str(path)))
         console.print(f"JSON report: {options.json}")
