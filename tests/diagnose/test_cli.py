@@ -59,3 +59,34 @@ def test_unreachable_engine_exit_3(tiny_llama, capsys):
 def test_bad_options_exit_2(tiny_llama):
     assert main(["diagnose", str(tiny_llama), "--tp", "0"]) == 2
     assert main(["diagnose", str(tiny_llama), "--engine", "nonsense"]) == 2
+    assert main(["diagnose", str(tiny_llama), "--timeout", "0"]) == 2
+    assert main(["diagnose", str(tiny_llama), "--top-k", "0"]) == 2
+
+
+def test_timeout_reaches_the_http_engine(tiny_llama, capsys):
+    """--timeout bounds every request: a server that never answers is reported within seconds."""
+    import http.server
+    import threading
+    import time
+
+    class Hang(http.server.BaseHTTPRequestHandler):
+        def _hang(self):
+            time.sleep(5)
+
+        do_GET = do_POST = _hang
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hang)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        started = time.monotonic()
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        assert main(["diagnose", str(tiny_llama), "--engine", url, "--no-health", "--timeout", "0.3"]) == 3
+        assert time.monotonic() - started < 4.5  # 3 attempts x 0.3 s + backoff, not 5 s each
+        assert "timed out after 0.3 s" in capsys.readouterr().err
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -31,6 +31,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts", type=Path, help="prompt file: one per line, or JSONL with \"text\"")
     p.add_argument("--max-prompts", type=int, default=4, help="prompts to use (default 4)")
     p.add_argument("--max-tokens", type=int, default=96, help="tokens per prompt (default 96)")
+    p.add_argument("--top-k", type=int, default=20, help="top-k requested from engines without full logits (default 20)")
+    p.add_argument("--timeout", type=float, default=60.0, help="HTTP engines: seconds per request (default 60)")
     p.add_argument("--baseline", default="reference:fp32", metavar="SPEC",
                    help="low-precision reference run giving a correct engine's expected error (or 'none')")
     p.add_argument("--no-health", dest="health", action="store_false", help="skip the dequantization health scan")
@@ -45,7 +47,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def options_from(args: argparse.Namespace) -> DiagnoseOptions:
-    for name in ("tp", "max_prompts", "max_tokens"):
+    if args.timeout <= 0:
+        raise UsageError(f"--timeout must be positive, not {args.timeout}")
+    for name in ("tp", "max_prompts", "max_tokens", "top_k"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, not {value}")
@@ -55,6 +59,7 @@ def options_from(args: argparse.Namespace) -> DiagnoseOptions:
         model=args.model, engine=args.engine, python=args.python, device=args.device, tp=args.tp,
         prompts=args.prompts, max_prompts=args.max_prompts, max_tokens=args.max_tokens, health=args.health,
         kernels=args.kernels, sanity=args.sanity, shard_numeric=args.shard_numeric, baseline=args.baseline,
+        top_k=args.top_k, timeout=args.timeout,
     )
 
 

@@ -52,6 +52,8 @@ class DiagnoseOptions:
     sanity: bool = True  # off for random-weight test models, whose output is near-flat by nature
     shard_numeric: bool = True
     baseline: str = "reference:fp32"
+    top_k: int = 20  # top-k requested from engines without full logits (HTTP servers)
+    timeout: float = 60.0  # HTTP engines: seconds per request
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -94,7 +96,12 @@ class _Context:
             from ggufcheck.engines.spec import open_engine
 
             self.say(f"opening engine {self.options.engine}")
-            self._engine = open_engine(self.options.engine, self.options.model, **dict(self.options.engine_kwargs))
+            kwargs = dict(self.options.engine_kwargs)
+            if self.options.engine.startswith(("http://", "https://")) and "http_options" not in kwargs:
+                from ggufcheck.engines.http import HttpOptions
+
+                kwargs["http_options"] = HttpOptions(timeout_s=self.options.timeout, top_k=self.options.top_k)
+            self._engine = open_engine(self.options.engine, self.options.model, **kwargs)
         return self._engine
 
     def reference(self):
@@ -269,7 +276,8 @@ def _served(ctx: _Context) -> list[StageReport]:
         long_prompt = _long_prompt(ctx, indexer_top_k)
     return run_compare(
         ctx.engine(), ctx.tokens(), reference=ctx.reference(), baseline_engine=ctx.baseline(),
-        options=CompareOptions(max_new_tokens=o.new_tokens, run_sanity=o.sanity, indexer_top_k=indexer_top_k),
+        options=CompareOptions(max_new_tokens=o.new_tokens, run_sanity=o.sanity, indexer_top_k=indexer_top_k,
+                               top_k=o.top_k),
         progress=ctx.say, long_prompt=long_prompt,
     )
 
