@@ -11,6 +11,7 @@ import pytest
 
 from ggufcheck.cli import compare
 from ggufcheck.errors import EngineUnreachable, ExitStatus, UsageError
+from ggufcheck.results import Status
 
 pytestmark = pytest.mark.llama
 
@@ -137,3 +138,25 @@ def test_flat_output_blames_output_not_decode(setup):
                                                     decode_prompts=1))
     failed = [r for r in stages[1].results if r.failed]
     assert failed and {r.component for r in failed} == {"output"}, [(r.check, r.component) for r in failed]
+
+
+def test_prompt_longer_than_the_engine_context_is_left_out_with_a_skip(setup):
+    """An engine declining a prompt (llama.cpp past n_ctx) SKIPs that prompt; the rest is judged."""
+    from ggufcheck.checks.compare import CompareOptions, run_compare
+    from ggufcheck.engines.spec import open_engine
+
+    model, _ = setup
+    with open_engine("llama-cpp:n_ctx=16,n_threads=2", model) as llama, open_engine("reference", model) as ref:
+        short = llama.tokenize("The capital of France is Paris.")
+        long = llama.tokenize(" ".join(["one two three four five six"] * 6))
+        assert len(short) <= 16 < len(long)
+        options = CompareOptions(max_new_tokens=2, run_sanity=False, chunk_sizes=())
+        sanity, logits, paths = run_compare(llama, [long, short], reference=ref, options=options)
+        only_long = run_compare(llama, [long], reference=ref, options=options)
+    declined = [r for r in logits.results if r.check == "logits.prompt_declined"]
+    assert len(declined) == 1 and declined[0].status == Status.SKIP and "prompt 0" in declined[0].message
+    assert "n_ctx=16" in declined[0].message
+    assert logits.info["positions"] == len(short)  # judged on the short prompt alone
+    assert not logits.failures and any(r.status == Status.PASS for r in logits.results)
+    assert all(r.status == Status.SKIP and "no prompt was scored" in r.message
+               for stage in only_long for r in stage.results)

@@ -31,7 +31,7 @@ from ggufcheck.checks.logits import (
 )
 from ggufcheck.checks.paths import PathOptions, run_paths
 from ggufcheck.checks.sanity import SanityLimits, run_sanity
-from ggufcheck.engines.base import Engine, TokenLogprobs
+from ggufcheck.engines.base import Engine, TokenLogprobs, Unsupported
 from ggufcheck.results import Result, StageReport, failed, passed, skipped
 
 Progress = Callable[[str], None]
@@ -81,7 +81,11 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
     say = progress or (lambda _msg: None)
     seqs = [[int(t) for t in s] for s in sequences if len(s) >= 2]
     say(f"scoring {len(seqs)} prompts on {engine.name}")
-    tables = [engine.score(s, top_k=options.top_k) for s in seqs]
+    seqs, tables, declined = _score_what_the_engine_takes(engine, seqs, options.top_k)
+    if not seqs:  # e.g. every prompt longer than the engine's context: nothing to compare
+        why = declined[0].message if declined else "no prompt of at least 2 tokens"
+        return [StageReport(name, results=[skipped(name, "output", f"no prompt was scored: {why}")])
+                for name in ("sanity", "logits", "paths")]
 
     paths_stage = StageReport("paths", info={"engine": engine.describe()})
     generations = []
@@ -135,7 +139,23 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
             "kl": distribution(metrics.kl), "argmax_agreement": float(metrics.agree.mean()) if metrics.n else None,
             "positions": metrics.n, "full_vocab": metrics.full_vocab,
         })
+    logits_stage.add(declined)
     return [sanity_stage, logits_stage, paths_stage]
+
+
+def _score_what_the_engine_takes(engine: Engine, seqs: list[list[int]], top_k: int):
+    """Score each sequence; one the engine declines (:class:`Unsupported`, e.g. longer than its
+    context) is left out of every check, with a SKIP saying which and why."""
+    kept, tables, declined = [], [], []
+    for i, seq in enumerate(seqs):
+        try:
+            tables.append(engine.score(seq, top_k=top_k))
+            kept.append(seq)
+        except Unsupported as err:
+            declined.append(skipped("logits.prompt_declined", "output",
+                                    f"prompt {i} ({len(seq)} tokens) left out: {err} (shorten it with "
+                                    "--max-tokens, or give the engine a longer context)"))
+    return kept, tables, declined
 
 
 def _which_path(prefill: Result, decode: Result) -> Result:
