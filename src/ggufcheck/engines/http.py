@@ -412,7 +412,7 @@ class HttpEngine(Engine):
                 for j, (value, kid) in enumerate(sorted(set(pairs), reverse=True)[: k + 1]):
                     ids[len(prompt) - 1 + s, j], vals[len(prompt) - 1 + s, j] = kid, value
             if self.kind == "llama-cpp-python":
-                self._texts[tuple(prompt + generated)] = self._text_of(prompt) + str(choice.get("text", ""))
+                self._check_generated_text(prompt, generated, self._text_of(prompt) + str(choice.get("text", "")))
         m = len(generated)
         seq = prompt + generated
         present = np.zeros(len(seq), dtype=bool)
@@ -420,6 +420,20 @@ class HttpEngine(Engine):
         steps = TokenLogprobs(seq, self.vocab_size, topk_ids=ids[: len(seq)], topk_logprobs=vals[: len(seq)],
                               present=present)
         return Generation(np.array(prompt), np.array(generated, dtype=np.int64), steps)
+
+    def _check_generated_text(self, prompt: list[int], generated: list[int], text: str) -> None:
+        """llama-cpp-python returns generated tokens as text pieces, mapped back to ids one at a
+        time. Where the whole text tokenizes to other ids (two pieces that merge, a piece split
+        across UTF-8 bytes), prefill would score another sequence than decode produced, and
+        prefill-vs-decode would raise a false alarm: decline the generation instead."""
+        expected = prompt + generated
+        actual = self.tokenize(text)
+        if actual != expected:
+            at = next((i for i, (a, b) in enumerate(zip(actual, expected)) if a != b), min(len(actual), len(expected)))
+            raise Unsupported(f"this server returns generated tokens as text, and prompt + generated text "
+                              f"tokenizes to {len(actual)} ids where its pieces gave {len(expected)} (first "
+                              f"difference at position {at}): prefill and decode would see different sequences")
+        self._texts[tuple(expected)] = text
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "server": self.client.base_url, "dialect": self.kind, "model": self.model_id}

@@ -1,0 +1,91 @@
+"""llama-cpp-python's server gives generated tokens as text: pieces that re-tokenize differently
+must make generation decline (SKIP), not feed prefill another sequence (a false alarm).
+
+A stdlib server speaks the llama-cpp-python dialect over a toy vocabulary in which "ab" is one
+token: generating the pieces "a", "b" yields text that the server itself tokenizes as "ab".
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+
+import pytest
+
+from ggufcheck.engines.base import Unsupported
+from ggufcheck.engines.http import HttpEngine, HttpOptions
+
+VOCAB = ["<s>", "a", "b", "ab", "x"]
+
+
+def toy_tokenize(text: str) -> list[int]:
+    ids, i = [0], 0
+    while i < len(text):
+        piece = max((p for p in VOCAB[1:] if text.startswith(p, i)), key=len)
+        ids.append(VOCAB.index(piece))
+        i += len(piece)
+    return ids
+
+
+def serve(pieces: list[str]):
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _send(self, doc):
+            raw = json.dumps(doc).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def do_GET(self):
+            self._send({"data": [{"id": "toy"}]})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.path == "/extras/tokenize":
+                self._send({"tokens": toy_tokenize(body["input"])})
+            elif self.path == "/extras/detokenize":
+                self._send({"text": "".join(VOCAB[t] for t in body["tokens"] if t)})
+            else:  # /v1/completions: greedy "generation" of the scripted pieces
+                self._send({"choices": [{"text": "".join(pieces), "logprobs": {
+                    "tokens": pieces, "top_logprobs": [{p: -0.1, "x": -3.0} for p in pieces]}}]})
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.fixture
+def engine_for():
+    servers = []
+
+    def make(pieces: list[str]) -> HttpEngine:
+        server = serve(pieces)
+        servers.append(server)
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1?kind=llama-cpp-python"
+        return HttpEngine(url, vocab_size=len(VOCAB), options=HttpOptions(timeout_s=5, retries=0, top_k=2))
+
+    yield make
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def test_pieces_that_merge_on_retokenization_decline_the_generation(engine_for):
+    engine = engine_for(["a", "b"])  # "x" + "a" + "b" tokenizes as x, ab: 3 ids, not 4
+    prompt = engine.tokenize("x")
+    with pytest.raises(Unsupported, match="tokenizes to 3 ids where its pieces gave 4"):
+        engine.generate(prompt, 2)
+
+
+def test_pieces_that_round_trip_are_kept_with_their_text(engine_for):
+    engine = engine_for(["a", "x"])
+    prompt = engine.tokenize("x")
+    generation = engine.generate(prompt, 2)
+    assert list(generation.generated) == [VOCAB.index("a"), VOCAB.index("x")]
+    assert engine.detokenize(prompt + list(generation.generated)) == "xax"
