@@ -89,3 +89,19 @@ def test_pieces_that_round_trip_are_kept_with_their_text(engine_for):
     generation = engine.generate(prompt, 2)
     assert list(generation.generated) == [VOCAB.index("a"), VOCAB.index("x")]
     assert engine.detokenize(prompt + list(generation.generated)) == "xax"
+
+
+@pytest.mark.parametrize("qtypes, expected", [(None, "q8"), ("F32", "fp32"), ("F16", "fp16"), ("Q8_0", "q8")])
+def test_llama_cpp_dialects_take_the_activation_class_from_the_file(tmp_path, qtypes, expected):
+    """The baseline allowance of a llama.cpp server follows the served file's weight types."""
+    from ggufcheck.testing.tiny import build_tiny_gguf
+
+    server = serve([])
+    try:
+        path = build_tiny_gguf("llama", tmp_path / "m.gguf", qtypes=qtypes).path if qtypes else None
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1?kind=llama-cpp-python"
+        engine = HttpEngine(url, vocab_size=len(VOCAB), model_path=path, options=HttpOptions(timeout_s=5, retries=0))
+        assert engine.capabilities.activation_dtype == expected
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -157,6 +157,7 @@ class HttpEngine(Engine):
         self.name = f"{self.kind} at {root}"
         self._texts: dict[tuple[int, ...], str] = {}  # token ids -> the text they came from
         self._key_ids: dict[str, int | None] = {}  # token text (llama-cpp-python keys) -> id
+        self._model_path = model_path
         self.capabilities = self._capabilities()
 
     # ---- discovery ------------------------------------------------------------------------
@@ -190,7 +191,7 @@ class HttpEngine(Engine):
     def _capabilities(self) -> Capabilities:
         k = self.options.top_k
         common = dict(tokenize=True, score=True, full_vocab=False, max_top_k=k, generate=True,
-                      activation_dtype="q8" if self.kind != "vllm" else "bf16")
+                      activation_dtype=self._activation_class())
         no_internals = dict(layer_outputs="an HTTP server exposes no per-layer tensors",
                             weights="an HTTP server exposes no loaded weights")
         if self.kind == "vllm":
@@ -202,6 +203,19 @@ class HttpEngine(Engine):
         return Capabilities(**common, batch=False, chunked_prefill=False, reasons=reasons(
             batch=why_batch, chunked_prefill="the prefill chunk size is fixed at server start (n_batch)",
             **no_internals))
+
+    def _activation_class(self) -> str:
+        """The numerical class that picks the baseline allowance. vLLM: bf16 (its default dtype;
+        the server does not report it). llama.cpp servers: from the file's weight types, as in
+        process (f32 / f16 / bf16 weights keep that class, quantized ones quantize activations
+        to 8 bits); q8 when the file is not given."""
+        if self.kind == "vllm":
+            return "bf16"
+        if self._model_path is None:
+            return "q8"
+        from ggufcheck.engines.llama_cpp import activation_class  # reads the GGUF only, not llama_cpp
+
+        return activation_class(self._model_path)
 
     # ---- tokenization ---------------------------------------------------------------------
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
