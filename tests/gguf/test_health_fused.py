@@ -128,3 +128,27 @@ def test_read_ahead_is_clipped_to_the_file(model_path):
             model.touch_pages(info.name, 0, 1 << 40)
             model.touch_pages(info.name, info.n_rows, 1 << 40)
         assert health.scan_tensor(model, infos[-1]).n_elements == infos[-1].n_elements
+
+
+def test_without_numba_the_plain_path_gives_the_same_health(model_path):
+    """A missing or broken numba (import fails) falls back to gguf-py + numpy statistics."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import sys, json; sys.modules['numba'] = None\n"
+            "from ggufcheck.gguf.health import scan_model\n"
+            "from ggufcheck.gguf.reader import open_gguf\n"
+            "from ggufcheck.gguf.quants import cpu_path\n"
+            "import gguf\n"
+            "assert cpu_path(gguf.GGMLQuantizationType.Q4_K).startswith('gguf-py'), cpu_path(gguf.GGMLQuantizationType.Q4_K)\n"
+            "with open_gguf(sys.argv[1]) as m:\n"
+            "    print(json.dumps({h.name: [h.nan, h.inf, h.zero_rows, h.absmax, h.bad_scales, h.first_bad_block,"
+            " h.first_bad_value] for h in scan_model(m)}))\n")
+    done = subprocess.run([sys.executable, "-c", code, str(model_path)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    without = json.loads(done.stdout)
+    with open_gguf(model_path) as model:
+        fused = {h.name: [h.nan, h.inf, h.zero_rows, h.absmax, h.bad_scales, h.first_bad_block, h.first_bad_value]
+                 for h in health.scan_model(model)}
+    assert without == fused

@@ -107,8 +107,6 @@ def _scan_fused(model: GGUFModel, info: TensorInfo, h: TensorHealth, sums: np.nd
 
     A background thread pages in the next 64 MB of the file while the cores decode a chunk.
     """
-    from ggufcheck.gguf.quants import fused as col  # column indices; numba is there if we got rows
-
     offsets = SCALE_FIELDS.get(info.qtype, ())
     blocks_per_row = info.row_bytes // info.type_size
     rows_per_call = max(1, FUSED_CHUNK_BYTES // info.row_bytes)
@@ -125,6 +123,8 @@ def _scan_fused(model: GGUFModel, info: TensorInfo, h: TensorHealth, sums: np.nd
             rows = quants.fused_row_stats(raw, info.qtype, offsets)
             if rows is None:
                 return False
+            from ggufcheck.gguf.quants import fused as col  # imports numba: only once rows came back
+
             _add_fused(h, sums, rows, start, blocks_per_row)
             if not (rows[:, col.NONFINITE] == 0).all():  # rare: redo rows with NaN/Inf exactly, plain path
                 _rescan_rows(raw, info, start, np.flatnonzero(rows[:, col.NONFINITE] != 0), h, sums)
