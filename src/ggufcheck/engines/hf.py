@@ -86,13 +86,17 @@ def hf_config(spec: Any) -> dict[str, Any]:
 
 
 class HFEngine(GGUFVocabTokenizer, Engine):
-    """A transformers causal LM (``torch.nn.Module``) in ``dtype`` on CPU or CUDA."""
+    """A transformers causal LM (``torch.nn.Module``) in ``dtype`` on CPU or CUDA.
+
+    Inputs go to the module's device; every result comes back to the CPU as numpy.
+    """
 
     def __init__(self, module: Any, *, dtype: str = "fp32", name: str = "hf", tokenizer: Any = None):
         import torch
 
         self._torch = torch
         self.module = module.eval()
+        self.device = next(module.parameters()).device
         self.vocab_size = int(module.config.vocab_size)
         self.name = name
         self._tokenizer = tokenizer
@@ -105,12 +109,14 @@ class HFEngine(GGUFVocabTokenizer, Engine):
         )
 
     @classmethod
-    def from_gguf(cls, model_path: str | Path, *, dtype: str = "fp32") -> "HFEngine":
+    def from_gguf(cls, model_path: str | Path, *, dtype: str = "fp32", device: str = "cpu") -> "HFEngine":
         try:
             import torch
             import transformers
         except ImportError as err:
             raise Unavailable(f"transformers is not installed ({err})", tip="pip install 'ggufcheck[hf]'") from err
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise Unavailable(f"hf@{device}: torch sees no CUDA device (torch {torch.__version__})")
         from ggufcheck.arch.rebuild import iter_hf_tensors
         from ggufcheck.arch.spec import spec_for_model
         from ggufcheck.arch.tables import table_for
@@ -130,6 +136,7 @@ class HFEngine(GGUFVocabTokenizer, Engine):
             result = module.load_state_dict(state, strict=False)
             if spec.tied_output:
                 module.tie_weights()
+            module.to(device)
             tied = {"lm_head.weight"} if spec.tied_output else set()
             missing = sorted(set(result.missing_keys) - tied)
             if missing or result.unexpected_keys:
@@ -141,7 +148,9 @@ class HFEngine(GGUFVocabTokenizer, Engine):
                 tokenizer = load_tokenizer(model)
             except Exception:  # noqa: BLE001
                 tokenizer = None
-        return cls(module, dtype=dtype, name=f"hf {spec.arch} {dtype} ({Path(model_path).name})", tokenizer=tokenizer)
+        where = "" if device == "cpu" else f" on {device}"
+        return cls(module, dtype=dtype, name=f"hf {spec.arch} {dtype}{where} ({Path(model_path).name})",
+                   tokenizer=tokenizer)
 
     def _logprobs(self, batch: list[list[int]]) -> list[np.ndarray]:
         torch = self._torch
@@ -152,8 +161,8 @@ class HFEngine(GGUFVocabTokenizer, Engine):
             ids[i, :len(s)] = torch.tensor(s)
             mask[i, :len(s)] = 1
         with torch.no_grad():
-            logits = self.module(input_ids=ids, attention_mask=mask).logits  # [B, T, V]
-        lp = torch.log_softmax(logits.to(torch.float64), dim=-1).numpy()
+            logits = self.module(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits  # [B, T, V]
+        lp = torch.log_softmax(logits.to(torch.float64), dim=-1).cpu().numpy()
         return [lp[i, :len(s)] for i, s in enumerate(batch)]
 
     def score(self, tokens: Sequence[int], *, top_k: int = 20) -> TokenLogprobs:
@@ -171,15 +180,15 @@ class HFEngine(GGUFVocabTokenizer, Engine):
         table = np.zeros((n, self.vocab_size))
         generated: list[int] = []
         with torch.no_grad():
-            out = self.module(input_ids=torch.tensor([prompt]), use_cache=True)
+            out = self.module(input_ids=torch.tensor([prompt], device=self.device), use_cache=True)
             for step in range(max_new_tokens):
-                row = torch.log_softmax(out.logits[0, -1].to(torch.float64), dim=-1).numpy()
+                row = torch.log_softmax(out.logits[0, -1].to(torch.float64), dim=-1).cpu().numpy()
                 table[len(prompt) - 1 + step] = row
                 token = int(np.argmax(row))
                 generated.append(token)
                 if step + 1 < max_new_tokens:
-                    out = self.module(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values,
-                                      use_cache=True)
+                    out = self.module(input_ids=torch.tensor([[token]], device=self.device),
+                                      past_key_values=out.past_key_values, use_cache=True)
         present = np.zeros(n, dtype=bool)
         present[len(prompt) - 1:len(prompt) - 1 + max_new_tokens] = True
         return Generation(np.array(prompt), np.array(generated),
@@ -194,7 +203,7 @@ class HFEngine(GGUFVocabTokenizer, Engine):
         def keep(kind: str, i: int):
             def hook(_mod, _inp, output):
                 value = output[0] if isinstance(output, tuple) else output
-                out[(kind, i)] = value[0].detach().float().numpy()  # [T, D]
+                out[(kind, i)] = value[0].detach().float().cpu().numpy()  # [T, D]
             return hook
 
         for i, layer in enumerate(layers):
@@ -206,7 +215,7 @@ class HFEngine(GGUFVocabTokenizer, Engine):
                 hooks.append(layer.mlp.register_forward_hook(keep("ffn", i)))
         try:
             with torch.no_grad():
-                self.module(input_ids=torch.tensor([[int(t) for t in tokens]]))
+                self.module(input_ids=torch.tensor([[int(t) for t in tokens]], device=self.device))
         finally:
             for h in hooks:
                 h.remove()
@@ -218,4 +227,4 @@ class HFEngine(GGUFVocabTokenizer, Engine):
         params = dict(self.module.named_parameters())
         if hf_name not in params:
             raise Unsupported(f"the transformers model has no parameter {hf_name!r}")
-        return params[hf_name].detach().float().numpy()
+        return params[hf_name].detach().float().cpu().numpy()

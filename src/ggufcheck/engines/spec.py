@@ -1,7 +1,8 @@
 """``--engine SPEC`` strings -> an open Engine.
 
     reference[:fp32|fp64]        ggufcheck's reference model over MODEL.gguf
-    hf[:fp32|bf16|fp16|fp64]     transformers model rebuilt from MODEL.gguf by ggufcheck
+    hf[:fp32|bf16|fp16|fp64][@cpu|@cuda[:N]]
+                                 transformers model rebuilt from MODEL.gguf by ggufcheck
     llama-cpp[:key=value,...]    llama.cpp in process (n_ctx=, n_threads=, n_batch=, seed=,
                                  type_k=/type_v= KV-cache ggml types: 0 F32, 1 F16 default)
     http://HOST:PORT[/v1][?kind=vllm|llama-cpp-python|llama-server]
@@ -17,7 +18,7 @@ from pathlib import Path
 from ggufcheck.engines.base import Engine
 from ggufcheck.errors import UsageError
 
-SPEC_HELP = "reference[:fp32], hf[:bf16], llama-cpp[:n_ctx=N,n_threads=N], http://HOST:PORT[/v1], python:MODULE:FACTORY"
+SPEC_HELP = "reference[:fp32], hf[:bf16][@cuda], llama-cpp[:n_ctx=N,n_threads=N], http://HOST:PORT[/v1], python:MODULE:FACTORY"
 
 
 def _options(text: str, spec: str) -> dict[str, int]:
@@ -33,6 +34,8 @@ def _options(text: str, spec: str) -> dict[str, int]:
 def open_engine(spec: str, model_path: str | Path | None, **kwargs) -> Engine:
     """Open the engine ``spec`` names, for the model at ``model_path``."""
     head, _, rest = spec.partition(":")
+    if spec.startswith("hf@"):  # hf@cuda: the default dtype on a device
+        head, rest = "hf", spec[2:]
     if spec.startswith(("http://", "https://")):
         from ggufcheck.engines.http import HttpEngine, HttpOptions
 
@@ -66,8 +69,13 @@ def open_engine(spec: str, model_path: str | Path | None, **kwargs) -> Engine:
     if head == "hf":
         from ggufcheck.engines.hf import HFEngine
 
-        dtype = rest or "fp32"
+        dtype, _, device = rest.partition("@")
+        dtype = dtype or "fp32"
         if dtype not in ("fp32", "fp64", "bf16", "fp16"):
             raise UsageError(f"--engine {spec}: dtype must be fp32, fp64, bf16 or fp16")
-        return HFEngine.from_gguf(model_path, dtype=dtype)
+        device = device or "cpu"
+        index = device.partition(":")[2] if device.startswith("cuda:") else ""
+        if device not in ("cpu", "cuda") and not (device.startswith("cuda:") and index.isdigit()):
+            raise UsageError(f"--engine {spec}: device must be cpu, cuda or cuda:N", tip="e.g. hf:bf16@cuda:0")
+        return HFEngine.from_gguf(model_path, dtype=dtype, device=device)
     raise UsageError(f"--engine {spec}: unknown engine", tip=f"one of: {SPEC_HELP}")
