@@ -22,6 +22,7 @@ import numpy as np
 
 from ggufcheck.checks.logits import (
     ALLOWANCES,
+    INDEXER_TIE_MARGINS,
     Baseline,
     LogitTolerance,
     baseline_from,
@@ -112,6 +113,8 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
         logits_stage.add(skipped("logits", "output", reference_reason))
     else:
         say(f"scoring {len(seqs)} prompts on {reference.name}")
+        if hasattr(reference, "tie_margin"):  # DSA top-k near-ties the engine's class may flip
+            reference.tie_margin = INDEXER_TIE_MARGINS.get(engine.capabilities.activation_dtype, 0.0)
         ref_tables = [reference.score(s) for s in seqs]
         measured = None
         if baseline_engine is not None:

@@ -28,6 +28,7 @@ class ReferenceEngine(GGUFVocabTokenizer, Engine):
         self._torch = torch
         self.model = ReferenceModel(model_path, dtype=dtype, device=device, **options)
         self.dtype = dtype
+        self.tie_margin = 0.0  # DSA: rows whose top-k boundary gap is within this are ambiguous (score)
         self.vocab_size = int(self.model.gguf.tensors["token_embd.weight"].shape[0])
         self.name = f"reference {dtype} ({Path(model_path).name})"
         self._tokenizer = None
@@ -56,7 +57,9 @@ class ReferenceEngine(GGUFVocabTokenizer, Engine):
 
     def score(self, tokens: Sequence[int], *, top_k: int = 20) -> TokenLogprobs:
         """Prefill log-probs; with a DSA indexer, rows where any layer's top-k has a boundary tie
-        are marked ambiguous (an engine may legitimately choose the other key there)."""
+        are marked ambiguous (an engine may legitimately choose the other key there); with
+        ``tie_margin`` > 0 also rows where a boundary is that close to a tie (the compared
+        engine's class, checks.logits.INDEXER_TIE_MARGINS)."""
         tokens = [int(t) for t in tokens]
         with self._torch.no_grad():
             if not self.model.cfg.has_indexer:
@@ -64,7 +67,9 @@ class ReferenceEngine(GGUFVocabTokenizer, Engine):
             trace = self.model.prefill(tokens, trace=True)
         ties = np.zeros(len(tokens), dtype=bool)
         for layer in trace.layers:
-            if layer.topk_ties is not None:
+            if layer.topk_gap is not None:
+                ties |= layer.topk_gap.cpu().numpy() <= self.tie_margin
+            elif layer.topk_ties is not None:
                 ties |= layer.topk_ties.cpu().numpy().astype(bool)
         return TokenLogprobs(tokens, self.vocab_size, trace.logprobs.to(self._torch.float64).cpu().numpy(),
                              ambiguous=ties)

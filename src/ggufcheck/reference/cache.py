@@ -59,3 +59,4 @@ class LayerOutput:
     topk: Tensor | None = None  # [T, k] int64 key indices chosen by the DSA indexer; -1 = none
     topk_full: bool = False  # True when this layer ran its own indexer (False: shared)
     topk_ties: Tensor | None = None  # [T] bool: the top-k boundary was a tie (set ambiguous)
+    topk_gap: Tensor | None = None  # [T] float64: relative k-th / (k+1)-th score gap (dsa.boundary_gap)

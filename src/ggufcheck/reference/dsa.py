@@ -15,6 +15,8 @@ Dimension letters: T queries, S keys, Hi indexer heads, Di indexer head dim, Q q
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -63,10 +65,26 @@ def boundary_ties(scores: Tensor, top_k: int) -> Tensor:
     """[T] bool: the k-th and (k+1)-th best finite scores are EQUAL, so the top-k set is
     ambiguous and a correct engine may pick another one (ReLU makes exact-zero ties common
     when few heads are positive; see docs/reference-verification.md)."""
+    return boundary_gap(scores, top_k) == 0
+
+
+def boundary_gap(scores: Tensor, top_k: int) -> Tensor:
+    """[T] float64: (k-th - (k+1)-th best score) / the row's largest |finite score|.
+
+    How far the top-k set is from changing: 0 at an exact tie; inf where the row has no
+    (k+1)-th candidate. An engine whose scores carry relative rounding ``u`` (bf16: 2^-8)
+    may legitimately pick another set wherever the gap is within a few ``u``; the checks
+    compare the gap with a margin set by the engine's activation class.
+    """
+    n = scores.shape[0]
     if scores.shape[-1] <= top_k:
-        return torch.zeros(scores.shape[0], dtype=torch.bool, device=scores.device)
-    best = scores.topk(top_k + 1, dim=-1).values  # [T, k+1]
-    return (best[:, -1] == best[:, -2]) & torch.isfinite(best[:, -1])
+        return torch.full((n,), math.inf, dtype=torch.float64, device=scores.device)
+    s = scores.to(torch.float64)
+    best = s.topk(top_k + 1, dim=-1).values  # [T, k+1]
+    finite = torch.where(torch.isfinite(s), s.abs(), torch.zeros_like(s))
+    scale = finite.amax(dim=-1).clamp_min(1e-300)
+    gap = (best[:, -2] - best[:, -1]) / scale
+    return torch.where(torch.isfinite(best[:, -1]), gap, torch.full_like(gap, math.inf))
 
 
 def top_k_mask(indices: Tensor, n_keys: int) -> Tensor:
@@ -83,14 +101,16 @@ def indexer_top_k(
     """This layer's top-k [T, k] and whether it ran its own indexer (full) or reused one (shared).
 
     ``shared["topk"]`` carries the latest full layer's indices to the following shared layers,
-    ``shared["ties"]`` [T] whether that choice was ambiguous (:func:`boundary_ties`).
+    ``shared["ties"]`` [T] whether that choice was ambiguous (:func:`boundary_ties`), and
+    ``shared["gap"]`` [T] how close it was (:func:`boundary_gap`).
     """
     if cfg.indexer_full[i]:
         if qr is None:
             raise ValueError("the DSA indexer needs q_lora (attn_q_a)")
         scores = index_scores(cfg, w, x, qr, rope, q_pos, k_pos, cache)
         shared["topk"] = select_top_k(scores, cfg.indexer_top_k)
-        shared["ties"] = boundary_ties(scores, cfg.indexer_top_k)
+        shared["gap"] = boundary_gap(scores, cfg.indexer_top_k)
+        shared["ties"] = shared["gap"] == 0
         return shared["topk"], True
     if "topk" not in shared:
         raise ValueError(f"layer {i} is a shared indexer layer but no earlier full layer ran")

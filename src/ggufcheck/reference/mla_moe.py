@@ -27,10 +27,10 @@ def forward_layer(
     x = rms_norm(h, w["attn_norm.weight"], cfg.rms_eps)
     qr, q_nope, q_pe = mla.project_q(cfg, w, x)
     allowed = causal_mask(q_pos, k_pos)  # [T, S]
-    topk, full, ties = None, False, None
+    topk, full, ties, gap = None, False, None, None
     if cfg.has_indexer:
         topk, full = dsa.indexer_top_k(cfg, i, w, x, qr, rope, q_pos, k_pos, cache, shared)
-        ties = shared.get("ties")
+        ties, gap = shared.get("ties"), shared.get("gap")
         allowed = allowed & dsa.top_k_mask(topk, k_pos.shape[0])
     attn_out = mla.mla_attention(cfg, w, x, q_nope, q_pe, rope, allowed, cache)
     after_attn = h + attn_out
@@ -40,4 +40,5 @@ def forward_layer(
     else:
         ffn_out, ids, weights = swiglu(x, w["ffn_gate.weight"], w["ffn_up.weight"], w["ffn_down.weight"]), None, None
     return LayerOutput(hidden=after_attn + ffn_out, after_attn=after_attn, attn_out=attn_out, ffn_out=ffn_out,
-                       expert_ids=ids, expert_weights=weights, topk=topk, topk_full=full, topk_ties=ties)
+                       expert_ids=ids, expert_weights=weights, topk=topk, topk_full=full, topk_ties=ties,
+                       topk_gap=gap)

@@ -55,11 +55,13 @@ class LayerTrace:
     topk: Tensor | None = None  # [T, k] DSA key indices, -1 = none
     topk_ties: Tensor | None = None  # [T] bool: k-th and (k+1)-th indexer scores equal
     topk_full: bool = False  # the layer ran its own indexer
+    topk_gap: Tensor | None = None  # [T] relative k-th / (k+1)-th score gap (reference.dsa.boundary_gap)
 
     @classmethod
     def from_output(cls, out: "LayerOutput") -> "LayerTrace":
         return cls(out.after_attn, out.hidden, out.attn_out, out.ffn_out, out.expert_ids,
-                   out.expert_weights, out.topk, out.topk_ties, out.topk_full)
+                   out.expert_weights, out.topk, out.topk_ties, out.topk_full,
+                   out.topk_gap)
 
 
 @dataclass
