@@ -284,3 +284,35 @@ def test_llama_cpp_smollm2_q8_passes(llama, sequences, smollm2_path):
     assert len(rows) == 30 and all(r["error"] > 10 * r["baseline"] for r in rows)  # q8 noise is real
     ref.close()
     base.close()
+
+
+class _ShortContext:
+    """Wraps an engine that takes at most 12 tokens per layer run, as llama.cpp past its n_ctx."""
+
+    def __init__(self, inner):
+        self.inner, self.capabilities, self.name = inner, inner.capabilities, f"short({inner.name})"
+
+    def layer_outputs(self, tokens, kinds):
+        from ggufcheck.engines.base import Unsupported
+
+        if len(tokens) > 12:
+            raise Unsupported(f"sequence of {len(tokens)} tokens exceeds this engine's n_ctx=12")
+        return self.inner.layer_outputs(tokens, kinds)
+
+
+def test_prompts_longer_than_the_engine_takes_are_shortened(models):
+    """A prompt the engine declines is cut to the longest halved prefix it takes (30 -> 15 -> 7),
+    said in the result; the stage still runs, and a fault is still named on the shortened prompt."""
+    from ggufcheck.engines.reference import ReferenceEngine
+
+    m = models("llama")
+    healthy = _ShortContext(ReferenceEngine(m.path, dtype="fp32"))
+    report = m.layers(healthy, _prompts(3, (30, 11)))
+    assert report.status == Status.PASS, [r.message for r in report.failures]
+    assert report.info["shortened"] == [{"prompt": 0, "tokens": 30, "used": 7}]
+    assert "30 -> 7" in report.results[0].message
+    healthy.inner.close()
+    faulty = _ShortContext(make_faulty_engine("rope-pairing-swapped", m.path, expose_weights=False))
+    verdict = decide([m.layers(faulty, _prompts(3, (30, 11)))])
+    assert verdict.component == "rope", verdict.message
+    faulty.inner.close()

@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from ggufcheck.checks.logits import INDEXER_TIE_MARGINS
+from ggufcheck.engines.base import Unsupported
 from ggufcheck.results import Result, StageReport, failed, passed, skipped
 
 STAGE = "layers"
@@ -262,8 +263,12 @@ def run_layers_stage(engine, reference, tokens_list: Sequence[Sequence[int]], ba
     want_kinds = [k for k in ("residual", "attention", "ffn", "router", "indexer") if k in kinds]
 
     runs = []  # per sequence: (engine trace, reference trace, baseline trace or None)
-    for s in seqs:
-        eng = engine.layer_outputs(s, want_kinds)
+    shortened = []
+    for n, s in enumerate(seqs):
+        s, eng = _layer_outputs_that_fit(engine, s, want_kinds)
+        if len(s) < len(seqs[n]):
+            shortened.append({"prompt": n, "tokens": len(seqs[n]), "used": len(s)})
+            seqs[n] = s
         with torch.no_grad():
             ref_trace = reference.prefill(s, trace=True)
             base_trace = baseline_reference.prefill(s, trace=True) if baseline_reference is not None else None
@@ -291,7 +296,8 @@ def run_layers_stage(engine, reference, tokens_list: Sequence[Sequence[int]], ba
         limit = _limit(base.value, opts, residual_allowance)
         per_layer.append({"layer": i, "error": err.value, "baseline": base.value, "limit": limit,
                           "ratio": _ratio(err.value, base.value), "tie_excluded_positions": excluded})
-    report.info.update(per_layer=per_layer, multiple=opts.multiple, floor=opts.floor, allowance=allowance,
+    report.info.update(per_layer=per_layer, shortened=shortened, multiple=opts.multiple, floor=opts.floor,
+                       allowance=allowance,
                        residual_allowance=residual_allowance,
                        activation_dtype=caps.activation_dtype, prompts=len(seqs),
                        baseline="fp32 reference vs fp64" if baseline_reference is not None else "none (floor only)")
@@ -301,7 +307,7 @@ def run_layers_stage(engine, reference, tokens_list: Sequence[Sequence[int]], ba
         worst = max(per_layer, key=lambda r: r["error"] / r["limit"])
         report.add(passed("layers.residual", "output",
                           f"all {n_layer} layers within their baselines (worst layer {worst['layer']}: "
-                          f"error {worst['error']:.3g}, limit {worst['limit']:.3g})",
+                          f"error {worst['error']:.3g}, limit {worst['limit']:.3g})" + _shortened_note(shortened),
                           stats={"layers": n_layer, "worst_layer": worst["layer"], "error": worst["error"],
                                  "limit": worst["limit"]}))
         return report
@@ -347,6 +353,25 @@ def near_ties(layer, margin: float) -> Tensor | None:
     if layer.topk_gap is not None:
         return layer.topk_gap.cpu() <= margin
     return None if layer.topk_ties is None else layer.topk_ties.cpu()
+
+
+def _shortened_note(shortened: list[dict]) -> str:
+    if not shortened:
+        return ""
+    parts = ", ".join(f"{x['tokens']} -> {x['used']}" for x in shortened)
+    return f"; prompts the engine declined whole were shortened to a prefix it takes ({parts} tokens)"
+
+
+def _layer_outputs_that_fit(engine, tokens: list[int], kinds: list[str]):
+    """(tokens used, the engine's LayerTrace): the whole sequence, or, where the engine declines
+    it (e.g. longer than its context), the longest halved prefix it takes (>= 2 tokens)."""
+    while True:
+        try:
+            return tokens, engine.layer_outputs(tokens, kinds)
+        except Unsupported:
+            if len(tokens) < 4:
+                raise
+            tokens = tokens[: len(tokens) // 2]
 
 
 def _tie_masks(ref_trace, n_layer: int, margin: float = 0.0) -> list[Tensor | None]:
