@@ -63,13 +63,14 @@ class LayerOptions:
     # Activation classes whose rounding a reference run cannot reproduce: relative error
     # accepted regardless of the baseline. ``allowances``: one block replayed on the engine's
     # own input (local); ``residual_allowances``: the residual stream, which accumulates over
-    # depth. q8 measured: SmolLM2-135M Q4_1 on llama.cpp CPU (30 layers, 2 prompts): local
-    # attention 0.0096 / FFN 0.011 at layer 0, residual 0.012 (layer 0) .. 0.048 (layer 29).
+    # depth. q8 measured: SmolLM2-135M Q4_1 on llama.cpp CPU (30 layers, the 4 built-in prompts,
+    # tools/measure_allowances.py --engines llama-cpp): local attention up to 0.092 and FFN 0.047
+    # over all layers (0.0096 / 0.011 at layer 0), residual up to 0.070.
     # bf16 / fp16 measured (tools/measure_allowances.py, transformers 5.2 on this CPU and 5.17
     # on the H200, CPU and CUDA; 4 prompts; docs/thresholds.md): SmolLM2 local attention up to
     # 0.043 / 0.0061, FFN 0.012 / 0.0018, residual up to 0.137 / 0.017 (bf16 on CUDA, layer 10);
     # tiny deepseek2 and glm-dsa below those. The limits are 2-3x the worst.
-    allowances: dict[str, float] = field(default_factory=lambda: {"bf16": 1e-1, "fp16": 1.5e-2, "q8": 4e-2})
+    allowances: dict[str, float] = field(default_factory=lambda: {"bf16": 1e-1, "fp16": 1.5e-2, "q8": 2e-1})
     residual_allowances: dict[str, float] = field(default_factory=lambda: {"bf16": 3e-1, "fp16": 4e-2,
                                                                            "q8": 1.5e-1})
     # DSA top-k boundaries closer than this (relative gap, reference.dsa.boundary_gap) may flip
