@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ggufcheck.checks.layers import LayerOptions, _localize, _tie_masks, rel_errors
+from ggufcheck.checks.layers import LayerOptions, replay_errors
 from ggufcheck.checks.logits import ALLOWANCES, INDEXER_TIE_MARGINS, LogitTolerance, collect, wilson_interval
 from ggufcheck.checks.prompts import builtin_prompts
 from ggufcheck.engines.reference import ReferenceEngine
@@ -58,38 +58,13 @@ def _logit_numbers(ref_tables, tables) -> dict[str, float]:
             "delta_p_rms": float(np.sqrt((dp ** 2).mean())) if dp.size else 0.0, "positions": int(m.n)}
 
 
-def _layer_numbers(engine, ref64: ReferenceEngine, seqs, margin: float, router_margin: float) -> dict[str, float]:
-    """Worst residual error over layers and prompts, and worst local attention / FFN error
-    (DSA: positions whose top-k boundary is within ``margin`` of a tie left out, and MoE positions
-    whose expert choice is within ``router_margin``, as the stage does)."""
-    kinds = [k for k in ("residual", "attention", "ffn", "router", "indexer") if k in engine.capabilities.layer_outputs]
-    runs = []
-    residual, where = 0.0, None
-    for s in seqs:
-        eng = engine.layer_outputs(s, kinds)
-        with torch.no_grad():
-            trace = ref64.model.prefill(s, trace=True)
-        runs.append((eng, trace, None))
-        masks = _tie_masks(trace, len(trace.layers), margin)
-        for i, layer in enumerate(trace.layers):
-            errs = rel_errors(torch.as_tensor(np.asarray(eng.tensors[("residual", i)])), layer.hidden)
-            errs = errs if masks[i] is None else errs[masks[i]]
-            err = float(errs.max()) if errs.numel() else 0.0
-            if err > residual:
-                residual, where = err, i
-    local = {"attention": 0.0, "ffn": 0.0}
-    opts = LayerOptions()
-    for i in range(ref64.model.cfg.n_layer):
-        results, _ = _localize(i, runs, ref64.model, None, set(kinds), opts, 0.0, margin, router_margin)
-        for r in results:
-            block = r.check.rpartition(".")[2]
-            if block in ("attention", "replay"):
-                local["attention"] = max(local["attention"], float(r.stats.get("error", 0.0)))
-            elif block == "ffn":
-                local["ffn"] = max(local["ffn"], float(r.stats.get("error", 0.0)))
-        ref64.model.weights.release(i)
-    return {"residual_max": residual, "residual_worst_layer": where,
-            "local_attention_max": local["attention"], "local_ffn_max": local["ffn"]}
+def _layer_numbers(engine, ref64: ReferenceEngine, seqs, cls: str) -> dict[str, float]:
+    """Worst residual error over layers and prompts, and worst local attention / FFN error, with
+    the DSA / MoE tie margins of class ``cls`` (checks.layers.replay_errors)."""
+    rows = replay_errors(engine, ref64.model, seqs, activation_dtype=cls)
+    worst = max(rows, key=lambda r: r["residual"])
+    return {"residual_max": worst["residual"], "residual_worst_layer": worst["layer"],
+            "local_attention_max": max(r["attention"] for r in rows), "local_ffn_max": max(r["ffn"] for r in rows)}
 
 
 def _limits(cls: str) -> dict[str, float]:
@@ -150,14 +125,12 @@ def measure_model(path: Path, specs: list[str], faults: bool, n_prompts: int, ma
         # a healthy engine is judged with its own class's tie margins; a fault with the widest
         # ones, so that "caught" below holds for every class
         cls = engine.capabilities.activation_dtype
-        if label.startswith("fault"):
-            margin, router_margin = max(INDEXER_TIE_MARGINS.values()), max(lay.router_tie_margins.values())
-        else:
-            margin = INDEXER_TIE_MARGINS.get(cls, 0.0)
-            router_margin = lay.router_tie_margins.get(cls, lay.router_tie_margin)
+        judged_as = "bf16" if label.startswith("fault") else cls  # bf16 / q8: the widest margins
+        margin = INDEXER_TIE_MARGINS.get(judged_as, 0.0)
+        router_margin = lay.router_tie_margins.get(judged_as, lay.router_tie_margin)
         numbers = _logit_numbers(reference_tables(ref64, margin), [engine.score(s) for s in seqs])
         if "residual" in engine.capabilities.layer_outputs:
-            numbers.update(_layer_numbers(engine, ref64, seqs, margin, router_margin))
+            numbers.update(_layer_numbers(engine, ref64, seqs, judged_as))
         engine.close()
         row = {"engine": label, "activation_dtype": cls, "indexer_tie_margin": margin,
                "router_tie_margin": router_margin, **numbers, "seconds": round(time.perf_counter() - t0, 1)}

@@ -356,6 +356,43 @@ def near_ties(layer, margin: float) -> Tensor | None:
     return None if layer.topk_ties is None else layer.topk_ties.cpu()
 
 
+def replay_errors(engine, reference, tokens_list: Sequence[Sequence[int]], options: LayerOptions | None = None,
+                  *, activation_dtype: str | None = None) -> list[dict[str, Any]]:
+    """Per layer: the engine's residual error and the local errors of its blocks replayed on its
+    own inputs, for EVERY layer (the stage replays only diverging ones). For measuring what a
+    correct engine of a class does against its allowances (tools/measure_allowances.py, tests).
+
+    DSA / MoE near-ties are left out with the margins of ``activation_dtype`` (default: the
+    engine's class), as the stage does. Rows: {"layer", "residual", "attention", "ffn"}.
+    """
+    opts = options or LayerOptions()
+    cls = activation_dtype or engine.capabilities.activation_dtype
+    margin = opts.indexer_tie_margins.get(cls, 0.0)
+    router_margin = opts.router_tie_margins.get(cls, opts.router_tie_margin)
+    kinds = [k for k in ("residual", "attention", "ffn", "router", "indexer") if k in engine.capabilities.layer_outputs]
+    runs = []
+    for s in tokens_list:
+        s, eng = _layer_outputs_that_fit(engine, [int(t) for t in s], kinds)
+        with torch.no_grad():
+            runs.append((eng, reference.prefill(s, trace=True), None))
+    rows = []
+    masks = [_tie_masks(trace, reference.cfg.n_layer, margin) for _e, trace, _b in runs]
+    for i in range(reference.cfg.n_layer):
+        residual = 0.0
+        for n, (eng, trace, _b) in enumerate(runs):
+            errs = rel_errors(torch.as_tensor(np.asarray(eng.tensors[("residual", i)])), trace.layers[i].hidden)
+            errs = errs if masks[n][i] is None else errs[masks[n][i]]
+            residual = max(residual, float(errs.max()) if errs.numel() else 0.0)
+        results, _ = _localize(i, runs, reference, None, set(kinds), opts, 0.0, margin, router_margin)
+        block = {"attention": 0.0, "ffn": 0.0}
+        for r in results:
+            kind = {"layers.attention": "attention", "layers.replay": "attention", "layers.ffn": "ffn"}.get(r.check)
+            if kind:
+                block[kind] = max(block[kind], float(r.stats.get("error", 0.0)))
+        rows.append({"layer": i, "residual": residual, **block})
+    return rows
+
+
 def _shortened_note(shortened: list[dict]) -> str:
     if not shortened:
         return ""
