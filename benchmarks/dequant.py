@@ -9,10 +9,16 @@ bytes and the same --repeats, measured interleaved so that background load hits 
 each repeat loops for >= 0.3 s and the best repeat counts. Ours is timed two ways:
 'new' = dequantize(), which returns a fresh float32 array (a large one is mmapped and
 page-faulted on every call), and 'reused' = dequantize_into() a preallocated buffer, the way
-ggufcheck's scan and reference use it. The write rate of the machine is measured in the same
-run: a numba parallel fill of a reused and of a fresh float32 buffer (printed at the top), and,
-per type, of that type's own output buffer (its size decides how much stays in cache). That
-fill, divided by the type's output bytes per input byte and by gguf-py's rate, is the
+ggufcheck's scan and reference use it. Outputs of twice the last-level cache and more go
+through the streaming-store kernels (``streaming.py``); for those the same buffer is also timed
+through the ordinary-store kernel ('ordinary stores'), so the gain shows side by side. The
+default size, 32 MB of quantized input per type, makes every output (114-228 MB of float32)
+outgrow the cache as the tensors of the models this tool is for do (10-1000 MB each); ``--mb 4``
+shows the cached case, where the ordinary kernels serve. The write rate of the machine is measured
+in the same run: numba parallel fills of a reused and of a fresh float32 buffer, and with
+streaming stores (printed at the top), and, per type, of that type's own output buffer (its size
+decides how much stays in cache). The faster fill, divided by the type's output bytes per input
+byte and by gguf-py's rate, is the
 'ceiling': the largest x over gguf-py any float32 dequantizer could reach here (Q8_0 expands
 3.8x, so gguf-py's one-multiply Q8_0 leaves it ~10x). The goal table then says, per issue-3
 type, whether >= 20x gguf-py is met and, where not, whether 20x lies above the ceiling
@@ -84,10 +90,15 @@ GOAL_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.
 GOAL_X = 20.0  # issue 3: ours >= 20x gguf-py on each GOAL_TYPES type
 
 
-def _fill_kernel():
-    """A numba parallel fill of a float32 buffer: the write rate no float32 dequantizer can beat."""
+def _fill_kernels():
+    """Numba parallel fills of a float32 buffer, ordinary and streaming stores: the write rates.
+
+    The streaming fill stores through the same 16-byte non-temporal lane op as our streaming
+    kernels (``streaming._lanes``, with a zero multiplier); it needs a 16-byte aligned buffer.
+    """
     import numba
 
+    from ggufcheck.gguf.quants import streaming
     from ggufcheck.gguf.quants.host import _prefer_workqueue
 
     _prefer_workqueue()  # the threading layer our kernels run on
@@ -97,7 +108,22 @@ def _fill_kernel():
         for i in numba.prange(out.size):
             out[i] = np.float32(1.5)
 
-    return fill
+    zeros = np.zeros(4, np.uint8)
+    lanes, fence = streaming._lanes, streaming._fence
+
+    @numba.njit(parallel=True, nogil=True, boundscheck=False)
+    def stream_fill_kernel(out, zeros, n_tasks):
+        n = out.size // 4
+        for t in numba.prange(n_tasks):
+            for g in range(t * n // n_tasks, (t + 1) * n // n_tasks):
+                lanes(out, 4 * g, zeros, 0, 0, 0, zeros, 0, 0, 0, 0, 0, 0, np.float32(0), np.float32(1.5))
+            fence()
+
+    def stream_fill(out):
+        assert out.ctypes.data % 16 == 0 and out.size % 4 == 0
+        stream_fill_kernel(out, zeros, 4 * numba.get_num_threads())
+
+    return fill, stream_fill
 
 
 def cpu_table(types: list[Q], mb: float, repeats: int) -> int:
@@ -106,8 +132,10 @@ def cpu_table(types: list[Q], mb: float, repeats: int) -> int:
 
     from ggufcheck.gguf.quants import dequantize_into
 
+    from ggufcheck.gguf.quants import cpu, streaming
+
     hf, why = _transformers_dequant()
-    fill = _fill_kernel()
+    fill, stream_fill = _fill_kernels()
     print(f"CPU: {torch.get_num_threads()} torch threads; transformers {why or 'integrations.gguf.dequant'}")
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs at start")
     # the machine's float32 write rate, at the size of the largest output below (a smaller output may
@@ -115,13 +143,18 @@ def cpu_table(types: list[Q], mb: float, repeats: int) -> int:
     big = max(_tensor(q, mb, 0).shape[0] for q in types) * ROW_ELEMENTS
     buf = np.empty(big, np.float32)
     fill(buf)
-    t_reuse, t_fresh = [], []
+    stream_fill(buf)
+    t_reuse, t_fresh, t_stream = [], [], []
     for _ in range(repeats):
         t_reuse.append(_timed(fill, buf)[0])
         t_fresh.append(_timed(lambda: fill(np.empty(big, np.float32)))[0])
+        t_stream.append(_timed(stream_fill, buf)[0])
     del buf
     print(f"float32 write rate (numba parallel fill of {big * 4 / 1e6:.0f} MB, best of {repeats}): "
-          f"reused buffer {big * 4 / min(t_reuse) / 1e9:.1f} GB/s, fresh np.empty {big * 4 / min(t_fresh) / 1e9:.1f} GB/s")
+          f"reused buffer {big * 4 / min(t_reuse) / 1e9:.1f} GB/s, fresh np.empty {big * 4 / min(t_fresh) / 1e9:.1f} GB/s; "
+          f"reused buffer, streaming stores {big * 4 / min(t_stream) / 1e9:.1f} GB/s")
+    print(f"streaming-store kernels serve outputs >= {streaming.MIN_BYTES / 2**20:.0f} MiB "
+          f"(twice the last-level cache) of {', '.join(q.name for q in streaming.KERNELS)}")
     rows = []
     failures = 0
     for qtype in types:
@@ -145,7 +178,12 @@ def cpu_table(types: list[Q], mb: float, repeats: int) -> int:
             del tf_out
         fresh_fill = lambda: fill(np.empty(reused.size, np.float32))  # noqa: E731
         fill(reused.reshape(-1))
-        t = {k: [] for k in ("ref", "hf", "new", "into", "fill", "fill_new")}
+        flat = reused.reshape(-1)
+        streams = streaming.applies(qtype, flat)
+        can_stream_fill = flat.ctypes.data % 16 == 0 and flat.size % 4 == 0
+        plain_kernel = getattr(cpu, KERNELS[qtype].name) if streams else None
+        plain_args = (raw.reshape(-1), flat, *KERNELS[qtype].tables()) if streams else ()
+        t = {k: [] for k in ("ref", "hf", "new", "into", "plain", "fill", "fill_new", "fill_stream")}
         for r in range(repeats):  # interleaved, so that background load hits every path alike
             with np.errstate(all="ignore"):
                 t["ref"].append(_timed(gguf.quants.dequantize, raw, qtype)[0])
@@ -153,21 +191,26 @@ def cpu_table(types: list[Q], mb: float, repeats: int) -> int:
                 t["hf"].append(_timed(hf.dequantize, traw, int(qtype), torch.float32)[0])
             t["new"].append(_timed(dequantize, raw, qtype)[0])
             t["into"].append(_timed(dequantize_into, raw, qtype, reused)[0])
-            t["fill"].append(_timed(fill, reused.reshape(-1))[0])
+            if streams:  # the same buffer through the ordinary-store kernel, for the side-by-side gain
+                t["plain"].append(_timed(plain_kernel, *plain_args)[0])
+            t["fill"].append(_timed(fill, flat)[0])
             t["fill_new"].append(_timed(fresh_fill)[0])
+            if can_stream_fill:
+                t["fill_stream"].append(_timed(stream_fill, flat)[0])
         mbs = {k: raw.nbytes / min(v) / 1e6 if v else float("nan") for k, v in t.items() if k[:4] != "fill"}
         expand = 4 * block / size  # float32 output bytes per quantized input byte
         # the write rate of that buffer; where ours wrote faster than the fill measured (background load
         # hit the fill's best repeat), ours' own rate is the better bound and is used, marked '*'
         into_gbs, new_gbs = mbs["into"] * expand / 1e3, mbs["new"] * expand / 1e3
-        fill_gbs = reused.nbytes / min(t["fill"]) / 1e9
+        fill_gbs = reused.nbytes / min(t["fill"] + t["fill_stream"]) / 1e9  # the faster of the two fills
         fill_new_gbs = reused.nbytes / min(t["fill_new"]) / 1e9
         fill_gbs = (fill_gbs, "") if fill_gbs >= into_gbs else (into_gbs, "*")
         fill_new_gbs = (fill_new_gbs, "") if fill_new_gbs >= new_gbs else (new_gbs, "*")
         rows.append((qtype, mbs, expand, fill_gbs, fill_new_gbs, exact, tf_exact, cpu_path(qtype)))
         m = mbs
+        plain_txt = f" (ordinary stores {m['plain']:7.1f})" if streams else ""
         print(f"  {qtype.name:8} gguf-py {m['ref']:7.1f}  transf. {m['hf']:7.1f}  ours new {m['new']:7.1f}  "
-              f"ours reused {m['into']:7.1f} MB/s  bit-exact {'yes' if exact else 'NO'}", flush=True)
+              f"ours reused {m['into']:7.1f}{plain_txt} MB/s  bit-exact {'yes' if exact else 'NO'}", flush=True)
         if not exact:
             print(f"           new array: {exact_new}; reused buffer: {exact_into}")
     print(f"load average {os.getloadavg()[0]:.1f} at end\n")
@@ -200,8 +243,9 @@ def _print_cpu_results(rows, repeats: int, mb: float) -> None:
               f"{'yes' if exact else 'NO':9} {tf_exact:8}" + ("" if path == "numba" else f" ({path})"))
         if qtype in GOAL_TYPES:
             verdicts.append((qtype, x_new, x_into, (ceil_new, star_new), (ceil_into, star), m, have_hf))
-    print("('reused GB/s out' = float32 bytes ours writes per second into the reused buffer; 'fill' = numba parallel "
-          "fill of that same buffer, measured interleaved ('*': ours wrote faster than the fill's best repeat, so ours' "
+    print("('reused GB/s out' = float32 bytes ours writes per second into the reused buffer; 'fill' = the faster of "
+          "two numba parallel fills of that same buffer, ordinary and streaming stores, measured interleaved "
+          "('*': ours wrote faster than the fill's best repeat, so ours' "
           "rate is used instead); 'ceiling' = fill / (output bytes per input byte) / gguf-py rate: the largest x over "
           "gguf-py any float32 dequantizer could reach writing that buffer)")
     print(f"({mb:g} MB of quantized input per type as ({ROW_ELEMENTS}-value rows); random quants with weight-like "
@@ -446,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
         types = list(KERNELS)
     if args.device == "cuda":
         return gpu_table(types if args.types else None, args.mb or 256, args.real, args.sweep)
-    status = cpu_table(types, args.mb or 8, args.repeats)
+    status = cpu_table(types, args.mb or 32, args.repeats)
     if args.models:
         status |= models_table(args.mb or 8, args.repeats)
     return status

@@ -80,6 +80,7 @@ KERNELS: dict[Q, Kernel] = {
 
 _broken: dict[Q, str] = {}  # types whose kernel failed to compile or run -> why
 _broken_fused: dict[Q, str] = {}  # same, for the fused health-scan pass
+_broken_streaming: dict[Q, str] = {}  # same, for the streaming-store kernels of large outputs
 # numba's 'workqueue' threads sleep when idle; the OpenMP layer it picks when torch brought
 # libgomp spin-waits, which measured 4x slower on a shared 2-core machine. workqueue must not be
 # entered from two Python threads at once, hence the lock (each call uses every core anyway).
@@ -152,6 +153,14 @@ def _run_kernel(qtype: Q, src: np.ndarray, out: np.ndarray) -> bool:
             _table_cache[qtype] = spec.tables()
         kernel = getattr(cpu, spec.name)
         with _kernel_lock:
+            if qtype not in _broken_streaming and _streams(qtype, out):
+                from ggufcheck.gguf.quants import streaming
+
+                try:
+                    streaming.KERNELS[qtype](src, out, *_table_cache[qtype], _stream_tasks())
+                    return True
+                except Exception as err:  # the plain kernel below still serves the type
+                    _broken_streaming[qtype] = f"streaming kernel failed: {type(err).__name__}: {err}"[:240]
             if qtype == Q.BF16:
                 kernel(src, out.view(np.uint32))
             else:
@@ -186,6 +195,19 @@ def fused_row_stats(raw2d: np.ndarray, qtype: Q, scale_offsets: tuple[int, ...])
     except Exception as err:  # numba TypingError / LoweringError, llvmlite failures
         _broken_fused[qtype] = f"fused scan failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
         return None
+
+
+def _streams(qtype: Q, out: np.ndarray) -> bool:
+    """Whether ``out`` is large and aligned enough for ``qtype``'s streaming-store kernel."""
+    from ggufcheck.gguf.quants import streaming
+
+    return streaming.applies(qtype, out)
+
+
+def _stream_tasks() -> int:
+    import numba
+
+    return 4 * numba.get_num_threads()  # passed in: get_num_threads() inside a kernel defeats caching
 
 
 def _prefer_workqueue() -> None:
