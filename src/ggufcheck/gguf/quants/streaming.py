@@ -40,6 +40,8 @@ from numba import njit, prange, types
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
+from ggufcheck.gguf.quants.cpu import _k4_scale_min  # the Q4_K/Q5_K 6-bit (scale, min) unpacking
+
 Q = gguf.GGMLQuantizationType
 F32 = np.float32
 NEG_ZERO = np.float32(-0.0)  # the add of a multiply-only type: x + (-0.0) == x for every x
@@ -288,18 +290,6 @@ def q2_k(src, out, h, n_tasks):
                         _lanes(out, e + 64, src, q, 4, 3, src, s, 0, 0, 0, 0, 0, dl2, -ml2)
                         _lanes(out, e + 96, src, q, 6, 3, src, s, 0, 0, 0, 0, 0, dl3, -ml3)
         _fence()
-
-
-@njit(inline="always")
-def _k4_scale_min(src, p, j):
-    """Q4_K/Q5_K 6-bit (scale, min) of sub-block j from the 12 bytes at p (get_scale_min_k4)."""
-    if j < 4:
-        sc = np.int32(src[p + j]) & 63
-        mn = np.int32(src[p + 4 + j]) & 63
-    else:
-        sc = (np.int32(src[p + 4 + j]) & 15) | ((np.int32(src[p + j - 4]) >> 2) & 48)
-        mn = (np.int32(src[p + 4 + j]) >> 4) | ((np.int32(src[p + j]) >> 2) & 48)
-    return sc, mn
 
 
 @njit(**_JIT)
