@@ -134,7 +134,9 @@ def test_quantized_bytes_per_rank(tiny_gguf):
 
         q, o, down = (raw(f"blk.0.{n}.weight") for n in ("attn_q", "attn_output", "ffn_down"))
         per_o, per_d = o.shape[-1] // 2, down.shape[-1] // 2  # bytes per rank: 1 and 2 Q8_0 blocks per row
-        loaded = {r: {"model.layers.0.self_attn.q_proj.weight": q.chunk(2)[r],
+        # q_proj in checkpoint (NEOX) row order: HF row r of head h is stored row (h, r % 8, r // 8)
+        hf_rows = torch.from_numpy(np.arange(64).reshape(4, 8, 2).swapaxes(1, 2).reshape(-1).copy())
+        loaded = {r: {"model.layers.0.self_attn.q_proj.weight": q[hf_rows].chunk(2)[r],
                       "model.layers.0.self_attn.o_proj.weight": o[:, r * per_o:(r + 1) * per_o],
                       "model.layers.0.mlp.down_proj.weight": down[:, r * per_d:(r + 1) * per_d]}
                   for r in range(2)}
@@ -142,7 +144,11 @@ def test_quantized_bytes_per_rank(tiny_gguf):
         loaded[1]["model.layers.0.mlp.down_proj.weight"] = loaded[0]["model.layers.0.mlp.down_proj.weight"]
         shard0 = check_loaded_weights(m, spec, table, loaded, 2)
         at8 = check_loaded_weights(m, spec, table, {0: {"model.layers.0.self_attn.o_proj.weight": o[:, :8]}}, 8)
+        as_stored = check_loaded_weights(m, spec, table, {r: {"model.layers.0.self_attn.q_proj.weight": q.chunk(2)[r]}
+                                                          for r in range(2)}, 2)
     assert not [r.message for r in good if r.failed]
+    stored = [r for r in as_stored if r.failed]  # the file's rope-permuted rows, as vLLM's plug-in loads them
+    assert len(stored) == 2 and all(r.component == "rope" and "rope-permuted order" in r.message for r in stored)
     (bad,) = [r for r in shard0 if r.failed]
     assert bad.component == "sharding" and "rank 0's bytes" in bad.message and bad.stats["rank"] == 1
     (unaligned,) = [r for r in at8 if r.failed]  # 64 / 8 = 8 elements: a quarter of a Q8_0 block

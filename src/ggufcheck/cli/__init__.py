@@ -25,6 +25,7 @@ COMMANDS = [
     "shard",
     "compare",
     "diagnose",
+    "export",
     "demo",
 ]
 

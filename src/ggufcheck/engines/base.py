@@ -64,6 +64,10 @@ class Capabilities:
     chunked_prefill: bool = False  # prefill split into chunks of a requested size
     layer_outputs: frozenset[str] = frozenset()  # subset of LAYER_KINDS
     weights: bool = False  # loaded weights by HF name (and TP rank)
+    # The names ``weight(hf_name)`` answers to: "checkpoint" (HF checkpoint names and
+    # layout, one parameter per expert) or "transformers" (transformers' module names, e.g.
+    # fused experts). The weights stage asks in this layout.
+    weight_layout: str = "checkpoint"
     tp_size: int = 1
     # Numerical class of the engine's activations, used to pick the honest baseline:
     # "fp64", "fp32", "bf16", "fp16", or "q8" (llama.cpp CPU quantizes activations to
@@ -241,6 +245,11 @@ class Engine(abc.ABC):
 
     def weight(self, hf_name: str, *, rank: int = 0) -> np.ndarray:
         """The weight the engine actually loaded under ``hf_name`` on TP rank ``rank``."""
+        raise Unsupported(self.capabilities.why_not("weights"))
+
+    def held_weight_names(self, *, rank: int = 0) -> list[str]:
+        """Every parameter rank ``rank`` holds, by the names :meth:`weight` answers to (so the
+        weights stage can say which ones it could not audit)."""
         raise Unsupported(self.capabilities.why_not("weights"))
 
     # ---- lifecycle ------------------------------------------------------------------------

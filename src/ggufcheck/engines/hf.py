@@ -103,7 +103,7 @@ class HFEngine(GGUFVocabTokenizer, Engine):
         self.capabilities = Capabilities(
             tokenize=tokenizer is not None, score=True, full_vocab=True, max_top_k=self.vocab_size, generate=True,
             batch=True, chunked_prefill=False, layer_outputs=frozenset({"residual", "attention", "ffn"}),
-            weights=True, activation_dtype=dtype,
+            weights=True, activation_dtype=dtype, weight_layout="transformers",
             reasons=reasons(tokenize="no tokenizer was given for this transformers model",
                             chunked_prefill="not wired for transformers models"),
         )
@@ -220,6 +220,9 @@ class HFEngine(GGUFVocabTokenizer, Engine):
             for h in hooks:
                 h.remove()
         return LayerTrace(np.array([int(t) for t in tokens]), out)
+
+    def held_weight_names(self, *, rank: int = 0) -> list[str]:
+        return [name for name, _ in self.module.named_parameters()]
 
     def weight(self, hf_name: str, *, rank: int = 0) -> np.ndarray:
         if rank != 0:

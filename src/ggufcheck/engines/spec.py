@@ -5,6 +5,9 @@
                                  transformers model rebuilt from MODEL.gguf by ggufcheck
     llama-cpp[:key=value,...]    llama.cpp in process (n_ctx=, n_threads=, n_batch=, seed=,
                                  type_k=/type_v= KV-cache ggml types: 0 F32, 1 F16 default)
+    vllm[:tp=N,dtype=fp32|bf16|fp16,max_model_len=N,kv_cache_gib=N]
+                                 the real vLLM (GGUF plug-in) in its own interpreter
+                                 (python=; --python PATH), every TP rank reachable
     http://HOST:PORT[/v1][?kind=vllm|llama-cpp-python|llama-server]
     python:MODULE:FACTORY        a user's own engine: FACTORY(model_path) -> Engine
 
@@ -18,7 +21,8 @@ from pathlib import Path
 from ggufcheck.engines.base import Engine
 from ggufcheck.errors import UsageError
 
-SPEC_HELP = "reference[:fp32], hf[:bf16][@cuda], llama-cpp[:n_ctx=N,n_threads=N], http://HOST:PORT[/v1], python:MODULE:FACTORY"
+SPEC_HELP = ("reference[:fp32], hf[:bf16][@cuda], llama-cpp[:n_ctx=N,n_threads=N], vllm[:tp=N,dtype=D,max_model_len=N], "
+             "http://HOST:PORT[/v1], python:MODULE:FACTORY")
 
 
 def _options(text: str, spec: str) -> dict[str, int]:
@@ -59,6 +63,10 @@ def open_engine(spec: str, model_path: str | Path | None, **kwargs) -> Engine:
             raise UsageError(f"--engine {spec}: unknown option(s) {', '.join(sorted(unknown))}",
                              tip=f"known: {', '.join(sorted(allowed))}")
         return LlamaCppEngine(model_path, **{**kwargs, **opts})
+    if head == "vllm":
+        from ggufcheck.engines.vllm import VllmEngine, parse_options
+
+        return VllmEngine(model_path, parse_options(rest, spec), python=kwargs.get("python"))
     if head == "reference":
         from ggufcheck.engines.reference import ReferenceEngine
 

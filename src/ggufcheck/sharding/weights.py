@@ -55,6 +55,8 @@ def hf_params(spec: ArchSpec, table: TensorTable, names, layout: str = "checkpoi
     """HF name -> how it is made and how vLLM shards it (the rule in HF layout)."""
     out = {}
     for g in groups(spec, table, names, layout):
+        if names is not None and any(e.name not in names for e in g.inputs.values()):
+            continue  # an optional tensor this file does not have (e.g. llama's q/k/v biases)
         transform = TRANSFORMS[g.transform]
         first = next(iter(g.inputs.values()))
         base = rule_from_shard(first.row.shard, first.row.shape, spec)
@@ -114,6 +116,7 @@ def check_loaded_weights(model: "GGUFModel", spec: ArchSpec, table: TensorTable,
                 work.setdefault(id(params[name].group), []).append((rank, name, got, params[name]))
     n_ok = dict.fromkeys(sorted(loaded), 0)
     n_fail = dict.fromkeys(sorted(loaded), 0)
+    unlisted: dict[int, dict[str, int]] = {r: {} for r in sorted(loaded)}  # rank -> component -> count
     for items in work.values():  # one group dequantized at a time, for every rank
         full_by_name = _full_tensors(model, spec, items[0][3])
         for rank, name, got, param in items:
@@ -123,29 +126,36 @@ def check_loaded_weights(model: "GGUFModel", spec: ArchSpec, table: TensorTable,
                     n_ok[rank] += 1
                 else:
                     n_fail[rank] += 1
+                    message, component, stats = problem
                     if n_fail[rank] <= MAX_FAILS_PER_RANK:
-                        message, component, stats = problem
                         results.append(failed("weights.loaded.raw_slice", component, f"rank {rank}: {name}: {message}",
                                               tensor=name, layer=param.group.layer,
                                               stats={"rank": rank, "tp": tp, **stats}, worst={"rank": rank}))
+                    else:
+                        unlisted[rank][component] = unlisted[rank].get(component, 0) + 1
                 continue
             full = full_by_name[name] if name in full_by_name else next(iter(full_by_name.values()))
             want = shard(full, param.rule, rank, tp, n_kv)
-            problem = _diagnose(got, want, full, param, rank, tp, n_kv)
+            problem = _diagnose(got, want, full, param, rank, tp, n_kv, spec)
             if problem is None:
                 n_ok[rank] += 1
                 continue
             n_fail[rank] += 1
-            if n_fail[rank] <= MAX_FAILS_PER_RANK:
-                message, component, stats = problem
+            message, component, stats = problem
+            if n_fail[rank] > MAX_FAILS_PER_RANK:
+                unlisted[rank][component] = unlisted[rank].get(component, 0) + 1
+            else:
                 results.append(failed("weights.loaded.slice", component, f"rank {rank}: {name}: {message}",
                                       tensor=name, layer=param.group.layer, stats={"rank": rank, "tp": tp, **stats},
                                       worst={"rank": rank}))
     for rank in sorted(loaded):
         if n_fail[rank] > MAX_FAILS_PER_RANK:
-            results.append(failed("weights.loaded.slice", "weights",
-                                  f"rank {rank}: {n_fail[rank] - MAX_FAILS_PER_RANK} more wrong parameter(s) not listed",
-                                  stats={"rank": rank, "wrong": n_fail[rank]}))
+            counts = unlisted[rank]
+            main = max(counts, key=counts.get)
+            kinds = ", ".join(f"{n} {c}" for c, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+            results.append(failed("weights.loaded.slice", main,
+                                  f"rank {rank}: {n_fail[rank] - MAX_FAILS_PER_RANK} more wrong parameter(s) not listed "
+                                  f"({kinds})", stats={"rank": rank, "wrong": n_fail[rank], "unlisted": counts}))
         if n_ok[rank]:
             results.append(passed("weights.loaded.slice", "weights",
                                   f"rank {rank}: {n_ok[rank]} parameter(s) equal their expected TP {tp} slices",
@@ -168,13 +178,24 @@ def _diagnose_raw(model: "GGUFModel", spec: ArchSpec, got: Tensor, param: HFPara
     rule = rule_from_shard(exp.row.shard, exp.row.shape, spec)
     with warnings.catch_warnings():  # a read-only view of the map: never written
         warnings.simplefilter("ignore")
-        raw = torch.from_numpy(model.raw(exp.name))
+        stored = torch.from_numpy(model.raw(exp.name))
+    # llama q/k: the file keeps llama.cpp's rope-permuted row order; the HF module (NEOX
+    # rope) needs the rows back in checkpoint order. Rows are whole quant blocks, so the
+    # expected bytes are the stored rows, reordered.
+    raw = stored[row_order(param.group.transform, spec, stored.shape[0])]
     want = raw_shard(raw, rule, rank, tp, n_kv, block, type_size)
     if isinstance(want, str):
         return (f"{info.qtype.name} row-parallel split: {want}", "sharding", {"qtype": info.qtype.name})
     got = got.detach().cpu()
     if tuple(got.shape) == tuple(want.shape) and torch.equal(got, want):
         return None
+    if param.group.transform != "identity":
+        as_stored = raw_shard(stored, rule, rank, tp, n_kv, block, type_size)
+        if not isinstance(as_stored, str) and tuple(as_stored.shape) == tuple(got.shape) \
+                and torch.equal(got, as_stored):
+            return (f"rows are in the GGUF's rope-permuted order ({exp.name} as stored): the loader did not undo "
+                    "llama.cpp's q/k permutation, so NEOX rope pairs the wrong dimensions", "rope",
+                    {"qtype": info.qtype.name, "gguf_tensor": exp.name})
     for other in range(tp):
         theirs = raw_shard(raw, rule, other, tp, n_kv, block, type_size)
         if other != rank and not isinstance(theirs, str) and tuple(theirs.shape) == tuple(got.shape) \
@@ -184,8 +205,14 @@ def _diagnose_raw(model: "GGUFModel", spec: ArchSpec, got: Tensor, param: HFPara
             f"expected {tuple(want.shape)})", "weights", {"qtype": info.qtype.name})
 
 
+def row_order(transform: str, spec: ArchSpec, n_rows: int) -> Tensor:
+    """For a transform that only reorders rows: the stored row each HF row comes from."""
+    index = torch.arange(n_rows, dtype=torch.float64)[:, None]
+    return TRANSFORMS[transform].to_hf({"w": index}, spec, "w")["w"][:, 0].long()
+
+
 def _diagnose(got: Tensor, want: Tensor, full: Tensor, param: HFParam, rank: int, tp: int,
-              n_kv: int) -> tuple[str, str, dict] | None:
+              n_kv: int, spec: ArchSpec | None = None) -> tuple[str, str, dict] | None:
     """None when ``got`` is rank's expected slice; else (message, component, stats)."""
     rule, component = param.rule, param.component
     got = got.detach().cpu()
@@ -193,6 +220,11 @@ def _diagnose(got: Tensor, want: Tensor, full: Tensor, param: HFParam, rank: int
         ok, diff = _close(got, want)
         if ok:
             return None
+        if spec is not None and param.group.transform in ("llama_q", "llama_k"):
+            stored = full[torch.argsort(row_order(param.group.transform, spec, full.shape[0]))]
+            if _close(got, shard(stored, rule, rank, tp, n_kv))[0]:
+                return ("rows are in the GGUF's rope-permuted order: the loader did not undo llama.cpp's q/k "
+                        "permutation, so NEOX rope pairs the wrong dimensions", "rope", {"max_abs_diff": diff})
         for other in range(tp):  # someone else's slice?
             if other != rank and _close(got, shard(full, rule, other, tp, n_kv))[0]:
                 return (f"holds rank {other}'s slice instead of its own (a loader ignoring the rank)",

