@@ -261,6 +261,8 @@ def test_tp2_with_rank1_rows_from_the_file_is_healthy_then_a_wrong_slice_is_name
     d = _run(path, e)
     assert d.verdict.healthy, _fails(d)
     assert {"weights", "layers", "logits", "paths"} <= _stages_ran(d)
+    ranks = [r for s in d.stages for r in s.results if r.check == "layers.ranks"]
+    assert [r.status.value for r in ranks] == ["PASS"] and "ranks 0..1" in ranks[0].message
     # fault injection in the real engine: rank 1's down_proj gets rank 0's bytes
     name = "model.layers.1.mlp.down_proj.qweight"
     theirs = e._read(name, 0)

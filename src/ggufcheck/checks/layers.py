@@ -275,6 +275,7 @@ def run_layers_stage(engine, reference, tokens_list: Sequence[Sequence[int]], ba
             base_trace = baseline_reference.prefill(s, trace=True) if baseline_reference is not None else None
         runs.append((eng, ref_trace, base_trace))
 
+    report.add(_ranks_agree([eng for eng, _r, _b in runs], opts))
     per_layer = []
     errors: list[_Err] = []
     masks = [_tie_masks(ref_trace, n_layer, margin) for _e, ref_trace, _b in runs]
@@ -347,6 +348,31 @@ def run_layers_stage(engine, reference, tokens_list: Sequence[Sequence[int]], ba
     report.info["first_diverging_layer"] = first
     report.info["localized_layer"] = found
     return report
+
+
+def _ranks_agree(traces, opts: LayerOptions) -> list[Result]:
+    """Tensor-parallel engines: every rank's residual stream must equal rank 0's (each layer
+    ends in an all-reduce); the first (layer, rank) that differs is a broken collective or a
+    rank computing on other weights."""
+    ranks = sorted({r for t in traces for r in getattr(t, "per_rank", {})})
+    if not ranks:
+        return []
+    for i in sorted({layer for t in traces for kind, layer in t.tensors if kind == "residual"}):
+        for r in ranks:
+            worst = 0.0
+            for t in traces:
+                mine, theirs = t.per_rank.get(r, {}).get(("residual", i)), t.tensors.get(("residual", i))
+                if mine is None or theirs is None:
+                    continue
+                worst = max(worst, float(rel_errors(torch.as_tensor(mine), torch.as_tensor(theirs)).max()))
+            if worst > opts.floor:
+                return [failed("layers.ranks", "sharding",
+                               f"layer {i}: rank {r}'s residual stream differs from rank 0's (relative error "
+                               f"{worst:.3g}): the ranks do not hold the same activations after the all-reduce",
+                               layer=i, stats={"rank": r, "error": worst}, worst={"rank": r})]
+    return [passed("layers.ranks", "sharding", f"ranks 0..{ranks[-1]} hold the same residual stream after every "
+                                               f"layer (relative difference <= {opts.floor:g})",
+                   stats={"ranks": len(ranks) + 1})]
 
 
 def near_ties(layer, margin: float) -> Tensor | None:

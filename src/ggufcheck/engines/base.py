@@ -194,6 +194,9 @@ class LayerTrace:
     tokens: np.ndarray  # [T]
     tensors: Mapping[tuple[str, int], np.ndarray]
     names: Mapping[tuple[str, int], str] = field(default_factory=dict)  # engine's own names
+    # tensor-parallel engines: the same tensors as seen by ranks 1.. (``tensors`` is rank 0's);
+    # after each all-reduce every rank should hold the same residual stream
+    per_rank: Mapping[int, Mapping[tuple[str, int], np.ndarray]] = field(default_factory=dict)
 
 
 class Engine(abc.ABC):

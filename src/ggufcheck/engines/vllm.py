@@ -443,14 +443,19 @@ class VllmEngine(Engine):
         tensors: dict[tuple[str, int], np.ndarray] = {}
         names: dict[tuple[str, int], str] = {}
         modules = {"residual": "layers.{i}", "attention": "layers.{i}.self_attn", "ffn": "layers.{i}.mlp"}
+        per_rank: dict[int, dict[tuple[str, int], np.ndarray]] = {}
         for key, value in out.items():
-            if not key.startswith("layer0.0."):  # sequence 0, rank 0
+            if not key.startswith("layer0."):  # sequence 0
                 continue
-            _, _, kind, layer = key.split(".")
-            if kind in kinds:
+            _, rank, kind, layer = key.split(".")
+            if kind not in kinds:
+                continue
+            if rank == "0":
                 tensors[(kind, int(layer))] = value
                 names[(kind, int(layer))] = "model." + modules.get(kind, kind).format(i=layer)
-        return LayerTrace(np.array(seq), tensors, names)
+            else:
+                per_rank.setdefault(int(rank), {})[(kind, int(layer))] = value
+        return LayerTrace(np.array(seq), tensors, names, per_rank)
 
     # ---- loaded weights ---------------------------------------------------------------------
     def held_parameters(self, rank: int = 0) -> dict[str, dict[str, Any]]:
