@@ -369,3 +369,59 @@ def test_vllm_openai_server_prompt_logprob_dialect_for_real(vllm_server, tiny):
                                      max_prompts=2, max_tokens=48, new_tokens=4), engine=engine)
     assert d.verdict.healthy, _fails(d)
     assert {"logits", "paths"} <= _stages_ran(d)
+
+
+# ------------------------------------------- MLA + MoE: an exported checkpoint (plug-in refuses it)
+DS2 = dict(n_layer=2, n_embd=256, n_head=4, kv_lora_rank=512, qk_rope=64, qk_nope=64, v_head_dim=64, q_lora_rank=0,
+           n_ff=512, n_ff_exp=128, n_expert=8, n_expert_used=2, n_expert_shared=1)  # vLLM-CPU MLA: latent 576
+
+
+@pytest.fixture(scope="module")
+def deepseek2(tmp_path_factory):
+    from ggufcheck.testing.tiny import build_tiny_gguf
+
+    return build_tiny_gguf("deepseek2", tmp_path_factory.mktemp("ds2") / "ds2.gguf", qtypes="F32", seed=1, **DS2).path
+
+
+def test_the_plugin_refuses_deepseek2_in_one_line_pointing_to_export(vllm_python, deepseek2):
+    from ggufcheck.engines.vllm import VllmEngine, VllmOptions
+
+    with pytest.raises(EngineUnreachable) as info:
+        VllmEngine(deepseek2, VllmOptions(python=vllm_python))
+    assert "(deepseek2)" in info.value.message and "vLLM could not load" in info.value.message
+    assert "\n" not in info.value.message and "ggufcheck export" in (info.value.tip or "")
+
+
+def _weights(d):
+    return next(s for s in d.stages if s.stage == "weights")
+
+
+def test_exported_deepseek2_at_tp2_every_rank_audited_through_vllms_own_mla_absorption(vllm_python, deepseek2):
+    """vLLM serves the exported checkpoint at TP 2; each rank's parameters, kv_b_proj folded
+    back from the W_UK_T / W_UV vLLM's absorbed MLA really uses and the routed experts as
+    loaded, equal their slices of the GGUF."""
+    from ggufcheck.engines.vllm import VllmEngine, VllmOptions
+
+    with VllmEngine(deepseek2, VllmOptions(tp=2, export=True, python=vllm_python)) as e:
+        held = e.held_parameters(1)
+        assert "model.layers.0.self_attn.kv_b_proj.weight#absorbed" in held
+        assert e.weight("model.layers.0.self_attn.kv_b_proj.weight", rank=1).shape == (2 * 128, 512)  # 2 heads/rank
+        d = _run(deepseek2, e)
+    w = _weights(d)
+    assert not [r.message for r in w.results if r.failed]
+    passes = [r for r in w.results if r.status.value == "PASS"]
+    assert [r.stats["rank"] for r in passes] == [0, 1]
+    assert all(r.stats["parameters"] == w.info["parameters"] for r in passes)  # every parameter, on both ranks
+    assert not [r for r in w.results if r.check in ("weights.loaded.exposed", "weights.loaded.unaudited")]
+
+
+def test_experts_in_the_wrong_order_in_the_real_engine_are_named(vllm_python, deepseek2, monkeypatch):
+    """Fault injected into the loaded model (layer 1's routed experts rolled by one before
+    vLLM prepacks them): the weights stage names moe-experts at layer 1."""
+    from ggufcheck.engines.vllm import VllmEngine, VllmOptions
+
+    monkeypatch.setenv("GGUFCHECK_VLLM_FAULT", "permute_experts:1")
+    with VllmEngine(deepseek2, VllmOptions(tp=1, export=True, python=vllm_python)) as e:
+        d = _run(deepseek2, e)
+    assert (d.verdict.stage, d.verdict.component, d.verdict.layer) == ("weights", "moe-experts", 1)
+    assert "model.layers.1.mlp.experts." in d.verdict.message

@@ -117,6 +117,7 @@ def check_loaded_weights(model: "GGUFModel", spec: ArchSpec, table: TensorTable,
     n_ok = dict.fromkeys(sorted(loaded), 0)
     n_fail = dict.fromkeys(sorted(loaded), 0)
     unlisted: dict[int, dict[str, int]] = {r: {} for r in sorted(loaded)}  # rank -> component -> count
+    unlisted_layers: dict[int, list[int]] = {r: [] for r in sorted(loaded)}
     for items in work.values():  # one group dequantized at a time, for every rank
         full_by_name = _full_tensors(model, spec, items[0][3])
         for rank, name, got, param in items:
@@ -133,6 +134,8 @@ def check_loaded_weights(model: "GGUFModel", spec: ArchSpec, table: TensorTable,
                                               stats={"rank": rank, "tp": tp, **stats}, worst={"rank": rank}))
                     else:
                         unlisted[rank][component] = unlisted[rank].get(component, 0) + 1
+                        if param.group.layer is not None:
+                            unlisted_layers[rank].append(param.group.layer)
                 continue
             full = full_by_name[name] if name in full_by_name else next(iter(full_by_name.values()))
             want = shard(full, param.rule, rank, tp, n_kv)
@@ -144,6 +147,8 @@ def check_loaded_weights(model: "GGUFModel", spec: ArchSpec, table: TensorTable,
             message, component, stats = problem
             if n_fail[rank] > MAX_FAILS_PER_RANK:
                 unlisted[rank][component] = unlisted[rank].get(component, 0) + 1
+                if param.group.layer is not None:
+                    unlisted_layers[rank].append(param.group.layer)
             else:
                 results.append(failed("weights.loaded.slice", component, f"rank {rank}: {name}: {message}",
                                       tensor=name, layer=param.group.layer, stats={"rank": rank, "tp": tp, **stats},
@@ -155,7 +160,8 @@ def check_loaded_weights(model: "GGUFModel", spec: ArchSpec, table: TensorTable,
             kinds = ", ".join(f"{n} {c}" for c, n in sorted(counts.items(), key=lambda kv: -kv[1]))
             results.append(failed("weights.loaded.slice", main,
                                   f"rank {rank}: {n_fail[rank] - MAX_FAILS_PER_RANK} more wrong parameter(s) not listed "
-                                  f"({kinds})", stats={"rank": rank, "wrong": n_fail[rank], "unlisted": counts}))
+                                  f"({kinds})", stats={"rank": rank, "wrong": n_fail[rank], "unlisted": counts},
+                                  layer=min(unlisted_layers[rank], default=None)))
         if n_ok[rank]:
             results.append(passed("weights.loaded.slice", "weights",
                                   f"rank {rank}: {n_ok[rank]} parameter(s) equal their expected TP {tp} slices",

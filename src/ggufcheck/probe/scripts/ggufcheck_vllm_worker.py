@@ -152,6 +152,7 @@ def _install_cpu_compat() -> None:
         prepack = experts.process_weights_after_loading
 
         def process_weights_after_loading(self, layer):
+            _inject_expert_fault(layer)
             for name in ("w13_weight", "w2_weight"):
                 w = getattr(layer, name, None)
                 if w is not None and not w.is_meta:
@@ -172,6 +173,25 @@ def _wants_cpu_compat() -> bool:
         return bool(current_platform.is_cpu())
     except Exception:  # noqa: BLE001 - no vLLM here: the driver reports that
         return False
+
+
+def _inject_expert_fault(layer) -> None:
+    """Tests only: GGUFCHECK_VLLM_FAULT='permute_experts:LAYER' rolls the routed experts of
+    that layer by one as loaded, before vLLM prepacks them, so the real engine computes with
+    experts in the wrong order (a fault in the loaded model, not in ggufcheck's view of it)."""
+    import torch
+
+    fault = os.environ.get("GGUFCHECK_VLLM_FAULT", "")
+    if not fault.startswith("permute_experts:"):
+        return
+    target = f".layers.{fault.split(':', 1)[1]}."
+    name = str(getattr(layer, "layer_name", "") or getattr(layer, "prefix", ""))
+    if target not in name + ".":
+        return
+    with torch.no_grad():
+        for param in ("w13_weight", "w2_weight"):
+            w = getattr(layer, param)
+            w.data.copy_(torch.roll(w.data, shifts=1, dims=0))
 
 
 def register_cpu_compat() -> None:
