@@ -39,3 +39,29 @@ def test_cpu_device_and_dtype_are_taken(tiny_converted):
     table = engine.score([1, 2, 3, 4])
     assert table.logprobs.shape == (4, engine.vocab_size)
     engine.close()
+
+
+def test_hf_moe_weights_are_audited_in_transformers_layout_and_an_expert_swap_is_named(tmp_path):
+    """transformers holds glm4moe's experts fused (gate_up_proj [E, 2F, D]): the weights stage
+    asks in that layout, so every expert parameter and the router bias (a buffer) is compared,
+    none skipped; two experts swapped in the live module are named moe-experts at their layer."""
+    import torch
+
+    from ggufcheck.diagnose.plan import DiagnoseOptions, diagnose
+    from ggufcheck.engines.hf import HFEngine
+    from ggufcheck.testing.tiny import build_tiny_gguf
+
+    model = build_tiny_gguf("glm4moe", tmp_path / "g.gguf", qtypes="F32", seed=1).path
+    engine = HFEngine.from_gguf(model)
+    opts = DiagnoseOptions(model=model, engine="hf", health=False, sanity=False, max_prompts=1, max_tokens=24)
+    d = diagnose(opts, engine=engine)
+    weights = next(s for s in d.stages if s.stage == "weights")
+    assert weights.info["layout"] == "transformers"
+    assert [r.status.value for r in weights.results] == ["PASS"]
+    assert weights.results[0].stats["parameters"] == weights.info["parameters"]
+    experts = engine.module.model.layers[2].mlp.experts
+    with torch.no_grad():
+        experts.gate_up_proj[[0, 1]] = experts.gate_up_proj[[1, 0]].clone()
+    d = diagnose(opts, engine=engine)
+    assert (d.verdict.stage, d.verdict.component, d.verdict.layer) == ("weights", "moe-experts", 2)
+    engine.close()

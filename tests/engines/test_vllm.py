@@ -308,6 +308,22 @@ def test_llama_qk_rows_in_gguf_order_real_defect_then_repaired(llama_q8_tp1, tin
     assert d.verdict.healthy, _fails(d)
 
 
+def test_a_request_past_its_time_limit_kills_the_worker_and_says_so(vllm_python, tiny):
+    """A worker that does not answer in ``request_timeout`` is killed with its process group
+    (vLLM's own children too) and reported in one error; nothing is left running."""
+    from ggufcheck.engines.vllm import VllmEngine, VllmOptions
+
+    before = set(_workers_alive())
+    e = VllmEngine(tiny[("qwen2", "F32")], VllmOptions(python=vllm_python, request_timeout=0.01))
+    t0 = time.monotonic()
+    with pytest.raises(EngineUnreachable, match="did not answer forward within"):
+        e.score(list(range(5, 40)))
+    assert time.monotonic() - t0 < 15
+    e.close()
+    time.sleep(1)
+    assert not set(_workers_alive()) - before
+
+
 # ------------------------------------------------------------- vLLM's OpenAI server, for real
 @pytest.fixture(scope="module")
 def vllm_server(vllm_python, tiny, tmp_path_factory):

@@ -222,12 +222,14 @@ class HFEngine(GGUFVocabTokenizer, Engine):
         return LayerTrace(np.array([int(t) for t in tokens]), out)
 
     def held_weight_names(self, *, rank: int = 0) -> list[str]:
-        return [name for name, _ in self.module.named_parameters()]
+        persistent = {n for n, _ in self.module.named_buffers() if n.endswith("e_score_correction_bias")}
+        return [name for name, _ in self.module.named_parameters()] + sorted(persistent)
 
     def weight(self, hf_name: str, *, rank: int = 0) -> np.ndarray:
         if rank != 0:
             raise Unsupported("a single-process transformers model has only rank 0")
         params = dict(self.module.named_parameters())
+        params.update((n, b) for n, b in self.module.named_buffers() if n.endswith("e_score_correction_bias"))
         if hf_name not in params:
             raise Unsupported(f"the transformers model has no parameter {hf_name!r}")
         return params[hf_name].detach().float().cpu().numpy()

@@ -216,7 +216,7 @@ class _Worker:
                 np.save(buf, np.asarray(value), allow_pickle=False)
                 self.conn.send_bytes(buf.getvalue())
             deadline = time.monotonic() + timeout
-            while not self.conn.poll(0.5):
+            while not self.conn.poll(max(0.0, min(0.5, deadline - time.monotonic()))):
                 if self.proc.poll() is not None:
                     raise EngineUnreachable(f"the vLLM worker died during {header.get('op', 'start')} "
                                             f"({self._ended()})" + self._tail_note())
