@@ -115,7 +115,7 @@ def test_through_the_engine_interface(tiny_converted):
     engine = HFEngine.from_gguf(path)
     with open_gguf(path) as m:
         spec, _ = spec_for_model(m)
-        results = check_engine_weights(m, spec, table_for(spec), engine, layout="transformers")
+        results = check_engine_weights(m, spec, table_for(spec), engine)  # in the engine's declared layout
     assert not [r.message for r in results if r.failed]
     assert [r for r in results if r.status is Status.PASS][0].stats["parameters"] > 10
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -179,51 +179,10 @@ def _sharding(ctx: _Context) -> list[StageReport]:
     return [run_sharding_stage(ctx.open_model(), ShardOptions(tp=ctx.options.tp, numeric=ctx.options.shard_numeric))]
 
 
-class _LoadedWeights(Mapping):
-    """One rank's parameters, fetched from the engine only when the audit reaches them, so
-    a 400 GB model is audited one parameter at a time. Parameters the engine does not
-    expose are left out of ``items()`` and listed in ``missing``."""
-
-    def __init__(self, engine, names: list[str], rank: int):
-        self.engine, self.names, self.rank = engine, names, rank
-        self.missing: list[str] = []
-
-    def __getitem__(self, name: str):
-        import torch
-
-        value = torch.as_tensor(self.engine.weight(name, rank=self.rank))
-        # numpy has no bfloat16: an engine holding bf16/fp16 parameters hands them over
-        # widened to fp32. Narrowing back is exact for such values and lets the audit apply
-        # that dtype's rounding tolerance; a genuinely fp32 weight that was wrong stays wrong.
-        held = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.engine.capabilities.activation_dtype)
-        if held is not None and value.dtype == torch.float32:
-            narrowed = value.to(held)
-            if torch.equal(narrowed.float(), value):
-                value = narrowed
-        return value
-
-    def items(self):
-        from ggufcheck.engines.base import Unsupported
-
-        for name in self.names:
-            try:
-                value = self[name]
-            except Unsupported:
-                self.missing.append(name)
-                continue
-            yield name, value
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.names)
-
-    def __len__(self) -> int:
-        return len(self.names)
-
-
 def _weights(ctx: _Context) -> list[StageReport]:
     from ggufcheck.arch.spec import ArchSpec, spec_for_model
     from ggufcheck.arch.tables import table_for
-    from ggufcheck.sharding.weights import check_loaded_weights, hf_params
+    from ggufcheck.sharding.weights import check_engine_weights, hf_params
 
     report = StageReport("weights")
     engine = ctx.engine()
@@ -236,39 +195,12 @@ def _weights(ctx: _Context) -> list[StageReport]:
     if table is None:
         report.add(skipped("weights.loaded", "weights", "no spec/table for this architecture: nothing to audit against"))
         return [report]
-    tp = engine.capabilities.tp_size
-    layout = engine.capabilities.weight_layout  # ask in the names the engine holds
-    names = sorted(hf_params(spec, table, model.tensors, layout))
-    ctx.say(f"auditing {len(names)} loaded parameters on {tp} rank(s)")
-    loaded = {rank: _LoadedWeights(engine, names, rank) for rank in range(tp)}
-    report.add(check_loaded_weights(model, spec, table, loaded, tp, layout))
-    missing = [f"{name}@{rank}" for rank, per_rank in loaded.items() for name in per_rank.missing]
-    if missing:
-        report.add(skipped("weights.loaded.exposed", "weights",
-                           f"the engine did not expose {len(missing)} parameter(s), e.g. {missing[0]}",
-                           stats={"missing": missing[:50]}))
-    unaudited = _unaudited(engine, set(names), tp, spec)
-    if unaudited:
-        report.add(skipped("weights.loaded.unaudited", "weights",
-                           f"the engine holds {len(unaudited)} parameter(s) the audit could not compare with the "
-                           f"file, e.g. {unaudited[0]}", stats={"names": unaudited[:50]}))
-    report.info.update(tp=tp, parameters=len(names), layout=layout)
+    caps = engine.capabilities
+    names = sorted(hf_params(spec, table, model.tensors, caps.weight_layout))
+    ctx.say(f"auditing {len(names)} loaded parameters on {caps.tp_size} rank(s)")
+    report.add(check_engine_weights(model, spec, table, engine, names))
+    report.info.update(tp=caps.tp_size, parameters=len(names), layout=caps.weight_layout)
     return [report]
-
-
-def _unaudited(engine, audited: set[str], tp: int, spec) -> list[str]:
-    """Parameters the engine holds (by its own account) that no expected name covers."""
-    from ggufcheck.engines.base import Unsupported
-
-    out = []
-    for rank in range(tp):
-        try:
-            held = engine.held_weight_names(rank=rank)
-        except Unsupported:
-            return []
-        tied = "lm_head.weight" if getattr(spec, "tied_output", False) else None
-        out += [f"{name}@{rank}" for name in held if name not in audited and name != tied]
-    return out
 
 
 def _layers(ctx: _Context) -> list[StageReport]:

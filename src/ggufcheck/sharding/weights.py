@@ -243,31 +243,86 @@ def _diagnose(got: Tensor, want: Tensor, full: Tensor, param: HFParam, rank: int
             "sharding" if rule.is_split else component, {"shape": list(got.shape), "expected": list(want.shape)})
 
 
+class LazyRankWeights(Mapping):
+    """One rank's parameters, fetched from the engine only when the audit reaches them, so a
+    400 GB model is audited one parameter at a time. Parameters the engine does not expose
+    are left out of ``items()`` and listed in ``missing``."""
+
+    def __init__(self, engine, names: list[str], rank: int):
+        self.engine, self.names, self.rank = engine, names, rank
+        self.missing: list[str] = []
+
+    def __getitem__(self, name: str) -> Tensor:
+        value = torch.as_tensor(self.engine.weight(name, rank=self.rank))
+        # numpy has no bfloat16: an engine holding bf16/fp16 parameters hands them over
+        # widened to fp32. Narrowing back is exact for such values and lets the audit apply
+        # that dtype's rounding tolerance; a genuinely fp32 weight that was wrong stays wrong.
+        held = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.engine.capabilities.activation_dtype)
+        if held is not None and value.dtype == torch.float32:
+            narrowed = value.to(held)
+            if torch.equal(narrowed.float(), value):
+                value = narrowed
+        return value
+
+    def items(self):
+        from ggufcheck.engines.base import Unsupported
+
+        for name in self.names:
+            try:
+                value = self[name]
+            except Unsupported:
+                self.missing.append(name)
+                continue
+            yield name, value
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
 def check_engine_weights(model: "GGUFModel", spec: ArchSpec, table: TensorTable, engine,
-                         names: list[str] | None = None, layout: str = "checkpoint") -> list[Result]:
-    """The audit through the Engine interface (``engine.weight(hf_name, rank=r)``).
+                         names: list[str] | None = None) -> list[Result]:
+    """THE weights audit through the Engine interface (``engine.weight(hf_name, rank=r)``).
 
-    ``names``: HF parameters to ask for (default: every parameter the file provides). A
-    parameter the engine does not expose is counted in one SKIP, not a failure.
+    Asks in the layout the engine declares (``Capabilities.weight_layout``), for every HF
+    parameter the file provides (or ``names``), one rank and one parameter at a time. A
+    parameter the engine does not expose is counted in one SKIP; parameters the engine holds
+    (``held_weight_names``) that no expected name covers are listed in another, so nothing an
+    engine holds is skipped silently.
     """
-    from ggufcheck.engines.base import Unsupported
-
     caps = engine.capabilities
     if not caps.weights:
         return [skipped("weights.loaded.slice", "weights", caps.why_not("weights"))]
     tp = int(caps.tp_size)
-    wanted = names if names is not None else list(hf_params(spec, table, model.tensors, layout))
-    loaded: dict[int, dict[str, Tensor]] = {r: {} for r in range(tp)}
-    missing: list[str] = []
-    for rank in range(tp):
-        for name in wanted:
-            try:
-                loaded[rank][name] = torch.as_tensor(engine.weight(name, rank=rank))
-            except Unsupported:
-                missing.append(f"{name}@{rank}")
+    layout = caps.weight_layout
+    wanted = names if names is not None else sorted(hf_params(spec, table, model.tensors, layout))
+    loaded = {rank: LazyRankWeights(engine, wanted, rank) for rank in range(tp)}
     results = check_loaded_weights(model, spec, table, loaded, tp, layout)
+    missing = [f"{name}@{rank}" for rank, per_rank in loaded.items() for name in per_rank.missing]
     if missing:
         results.append(skipped("weights.loaded.exposed", "weights",
                                f"the engine did not expose {len(missing)} parameter(s), e.g. {missing[0]}",
                                stats={"missing": missing[:50]}))
+    unaudited = _unaudited(engine, set(wanted), tp, spec)
+    if unaudited:
+        results.append(skipped("weights.loaded.unaudited", "weights",
+                               f"the engine holds {len(unaudited)} parameter(s) the audit could not compare with "
+                               f"the file, e.g. {unaudited[0]}", stats={"names": unaudited[:50]}))
     return results
+
+
+def _unaudited(engine, audited: set[str], tp: int, spec: ArchSpec) -> list[str]:
+    """Parameters the engine holds (by its own account) that no expected name covers."""
+    from ggufcheck.engines.base import Unsupported
+
+    out = []
+    tied = "lm_head.weight" if getattr(spec, "tied_output", False) else None
+    for rank in range(tp):
+        try:
+            held = engine.held_weight_names(rank=rank)
+        except Unsupported:
+            return []
+        out += [f"{name}@{rank}" for name in held if name not in audited and name != tied]
+    return out
