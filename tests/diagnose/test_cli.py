@@ -90,3 +90,21 @@ def test_timeout_reaches_the_http_engine(tiny_llama, capsys):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_no_engine_is_a_usage_error_and_bad_engines_fail_before_the_file_stage(tiny_llama, monkeypatch, capsys):
+    """Without --engine nothing about a deployment is checked: exit 2 pointing to inspect, not
+    'healthy'. A bad spec or an unreachable server is reported before the file stage runs."""
+    import ggufcheck.checks.file as file_stage
+
+    assert main(["diagnose", str(tiny_llama)]) == 2
+    err = capsys.readouterr().err
+    assert "needs --engine" in err and "ggufcheck inspect" in err
+
+    def no_file_stage(*_a, **_k):
+        raise AssertionError("the file stage ran before the engine was reached")
+
+    monkeypatch.setattr(file_stage, "run_file_stage", no_file_stage)
+    assert main(["diagnose", str(tiny_llama), "--engine", "llama-cpp:n_ctx=abc"]) == 2
+    assert main(["diagnose", str(tiny_llama), "--engine", "bogus"]) == 2
+    assert main(["diagnose", str(tiny_llama), "--engine", "http://127.0.0.1:9", "--timeout", "0.5"]) == 3

@@ -286,11 +286,20 @@ def diagnose(options: DiagnoseOptions, progress: Progress | None = None, engine:
     ``ggufcheck.testing.faults`` pass one); otherwise ``options.engine`` is opened.
     """
     say = progress or (lambda _m: None)
+    if engine is None and options.engine is None:
+        raise UsageError("diagnose needs --engine SPEC: without an engine nothing about a deployment is checked",
+                         tip="`ggufcheck inspect MODEL` checks the file alone, `ggufcheck shard MODEL --tp N` its "
+                             "tensor-parallel split, `ggufcheck env --python PATH` an interpreter")
     ctx = _Context(options, say, engine)
     stages: list[StageReport] = []
     timings: dict[str, float] = {}
     started = time.perf_counter()
     try:
+        if engine is None:  # a bad spec (exit 2) or an unreachable engine (exit 3) is said in seconds,
+            try:            # before the long file stage
+                ctx.engine()
+            except Unavailable:
+                pass  # the stages that need it record why (SKIP "unavailable: ...")
         for stage in PLAN:
             reason = stage.when(ctx)
             if reason is not None:
