@@ -46,3 +46,39 @@ def test_too_long_sequence_is_unsupported(llama_engine):
 
     with pytest.raises(Unsupported, match="n_ctx"):
         llama_engine.score([1] * 200)
+
+
+@pytest.mark.parametrize("spec,cls", [("llama-cpp", "fp16"), ("llama-cpp:type_k=0,type_v=0", "fp32"),
+                                      ("llama-cpp:type_k=0,type_v=0,flash_attn=1", "fp16")])
+def test_f32_models_are_healthy_under_the_contexts_own_precision(tmp_path, spec, cls):
+    """Was a false alarm (issue: verdict fidelity): the layer trace ran on a context with
+    llama.cpp's default parameters (F16 KV cache, flash attention auto) while scoring used the
+    engine's; and the class ignored the KV cache. Now the trace uses the scoring context's
+    parameters and the class is the coarser of the weights' and the context's (KV cache types,
+    flash attention): an F32 file with an F32 KV cache is held to fp32 and passes it."""
+    from ggufcheck.diagnose.plan import DiagnoseOptions, diagnose
+    from ggufcheck.engines.spec import open_engine
+    from ggufcheck.testing.tiny import build_tiny_gguf
+
+    model = build_tiny_gguf("llama", tmp_path / "f32.gguf", qtypes="F32", seed=0).path
+    with open_engine(spec, model) as engine:
+        assert engine.capabilities.activation_dtype == cls
+        d = diagnose(DiagnoseOptions(model=model, engine=spec, health=False, sanity=False, max_prompts=2),
+                     engine=engine)
+    assert d.verdict.healthy, [r.message for s in d.stages for r in s.results if r.failed]
+    layers = next(s for s in d.stages if s.stage == "layers")
+    worst = max(row["error"] for row in layers.info["per_layer"])
+    assert worst < (1e-5 if cls == "fp32" else 1e-2)
+
+
+def test_a_context_llama_cpp_refuses_is_one_line_exit_2(tmp_path):
+    import subprocess
+    import sys
+
+    from ggufcheck.testing.tiny import build_tiny_gguf
+
+    model = build_tiny_gguf("llama", tmp_path / "f32.gguf", qtypes="F32", seed=0).path
+    proc = subprocess.run([sys.executable, "-m", "ggufcheck", "diagnose", str(model), "--engine",
+                           "llama-cpp:type_k=8,type_v=8", "--no-health"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "llama.cpp refused" in proc.stderr and "Traceback" not in proc.stderr
+    assert "flash attention" in proc.stderr

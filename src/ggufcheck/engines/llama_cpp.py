@@ -8,7 +8,10 @@ same loaded model. llama_cpp is imported only when this engine is opened.
 
 llama.cpp on CPU quantizes activations to 8-bit blocks before a matmul with quantized
 weights, so for quantized files its numerical class is "q8" (``activation_class``; see
-``checks.logits`` for that allowance); F32 / F16 / BF16 files are fp32 / fp16 / bf16.
+``checks.logits`` for that allowance); F32 / F16 / BF16 files are fp32 / fp16 / bf16. The
+context adds its own rounding (``context_class``): the KV cache types (F16 by default) and
+flash attention; the coarser of the two classes is the engine's. The layer trace runs on a
+context with the scoring context's parameters.
 """
 
 from __future__ import annotations
@@ -63,6 +66,24 @@ def activation_class(model_path: str | Path) -> str:
     return {"F32": "fp32", "F16": "fp16", "BF16": "bf16"}.get(dominant, "q8")
 
 
+# numerical classes from finest to coarsest (the allowance of the coarsest applies)
+CLASS_ORDER = ("fp64", "fp32", "fp16", "bf16", "q8")
+GGML_TYPE_CLASS = {0: "fp32", 1: "fp16", 30: "bf16"}  # KV cache types; any other (Q8_0, Q4_0, ...) is q8
+
+
+def coarsest(*classes: str) -> str:
+    return max(classes, key=CLASS_ORDER.index)
+
+
+def context_class(params: Any) -> str:
+    """The precision a llama.cpp context itself imposes: its KV cache types (K and V are
+    stored rounded to them; llama.cpp's default is F16) and flash attention (the CPU kernel
+    converts Q to F16 for its dot products)."""
+    kv = [GGML_TYPE_CLASS.get(int(t), "q8") for t in (params.type_k, params.type_v)]
+    flash = int(getattr(params, "flash_attn_type", 0)) == 1  # LLAMA_FLASH_ATTN_TYPE_ENABLED
+    return coarsest(*kv, "fp16" if flash else "fp32")
+
+
 class _GGMLTensorHead(ctypes.Structure):
     """The leading fields of ``struct ggml_tensor`` (ggml.h); the rest is read via ggml calls."""
 
@@ -87,10 +108,21 @@ class LlamaCppEngine(Engine):
         self._lib = llama_cpp
         self.model_path = str(model_path)
         threads = n_threads or max(1, min(8, os.cpu_count() or 1))
-        self._llm = llama_cpp.Llama(
-            model_path=self.model_path, n_ctx=n_ctx, n_batch=n_batch, n_threads=threads,
-            n_threads_batch=threads, logits_all=True, seed=seed, verbose=False, **kwargs,
-        )
+        if "flash_attn" in kwargs:
+            kwargs["flash_attn"] = bool(kwargs["flash_attn"])
+        try:
+            self._llm = llama_cpp.Llama(
+                model_path=self.model_path, n_ctx=n_ctx, n_batch=n_batch, n_threads=threads,
+                n_threads_batch=threads, logits_all=True, seed=seed, verbose=False, **kwargs,
+            )
+        except ValueError as err:  # llama.cpp refused the model or the context settings
+            from ggufcheck.errors import UsageError
+
+            hint = ("a quantized V cache needs flash attention (flash_attn=1)"
+                    if kwargs.get("type_v") not in (None, 0, 1, 30) and not kwargs.get("flash_attn") else
+                    "check the options against the model")
+            raise UsageError(f"--engine llama-cpp: llama.cpp refused {Path(self.model_path).name} with "
+                             f"{kwargs or 'these settings'}: {err}", tip=hint) from None
         self.n_ctx = n_ctx
         self.n_batch = n_batch
         self.vocab_size = int(self._llm.n_vocab())
@@ -98,7 +130,8 @@ class LlamaCppEngine(Engine):
         self.capabilities = Capabilities(
             tokenize=True, score=True, full_vocab=True, max_top_k=self.vocab_size, generate=True,
             batch=False, chunked_prefill=True,
-            layer_outputs=frozenset(NODE_KINDS.values()), activation_dtype=activation_class(self.model_path),
+            layer_outputs=frozenset(NODE_KINDS.values()),
+            activation_dtype=coarsest(activation_class(self.model_path), context_class(self._llm.context_params)),
             reasons=reasons(
                 batch="llama-cpp-python's Llama object decodes one sequence at a time",
                 weights="llama-cpp-python exposes no loaded-tensor access by HF name",
@@ -209,7 +242,9 @@ class LlamaCppEngine(Engine):
             names[key] = name
             return True
 
-        params = lib.llama_context_default_params()
+        # the scoring context's own parameters (KV cache types, flash attention, offload...):
+        # a trace under other settings would judge another precision than the one served
+        params = lib.llama_context_params.from_buffer_copy(self._llm.context_params)
         params.n_ctx = self.n_ctx
         params.n_batch = params.n_ubatch = max(len(tokens), 1)
         params.n_threads = params.n_threads_batch = self._llm.n_threads

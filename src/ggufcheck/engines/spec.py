@@ -4,7 +4,8 @@
     hf[:fp32|bf16|fp16|fp64][@cpu|@cuda[:N]]
                                  transformers model rebuilt from MODEL.gguf by ggufcheck
     llama-cpp[:key=value,...]    llama.cpp in process (n_ctx=, n_threads=, n_batch=, seed=,
-                                 type_k=/type_v= KV-cache ggml types: 0 F32, 1 F16 default)
+                                 type_k=/type_v= KV-cache ggml types: 0 F32, 1 F16 default,
+                                 8 Q8_0; flash_attn=0|1)
     vllm[:tp=N,dtype=fp32|bf16|fp16,max_model_len=N,kv_cache_gib=N]
                                  the real vLLM (GGUF plug-in) in its own interpreter
                                  (python=; --python PATH), every TP rank reachable
@@ -56,7 +57,8 @@ def open_engine(spec: str, model_path: str | Path | None, **kwargs) -> Engine:
     if head == "llama-cpp":
         from ggufcheck.engines.llama_cpp import LlamaCppEngine
 
-        allowed = {"n_ctx", "n_threads", "n_batch", "seed", "type_k", "type_v"}  # type_k/v: ggml type, 0 = F32 KV cache
+        # type_k/v: ggml type of the KV cache (0 F32, 1 F16 default, 8 Q8_0); flash_attn: 0/1
+        allowed = {"n_ctx", "n_threads", "n_batch", "seed", "type_k", "type_v", "flash_attn"}
         opts = _options(rest, spec)
         unknown = set(opts) - allowed
         if unknown:
