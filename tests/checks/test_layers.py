@@ -316,3 +316,39 @@ def test_prompts_longer_than_the_engine_takes_are_shortened(models):
     verdict = decide([m.layers(faulty, _prompts(3, (30, 11)))])
     assert verdict.component == "rope", verdict.message
     faulty.inner.close()
+
+
+class _Perturbed:
+    """An engine whose reported tensors are another engine's, with a change applied."""
+
+    def __init__(self, inner, change, capabilities=None):
+        self.inner, self.change = inner, change
+        self.capabilities = capabilities or inner.capabilities
+
+    def layer_outputs(self, tokens, kinds=("residual", "attention", "ffn")):
+        from ggufcheck.engines.base import LayerTrace
+
+        trace = self.inner.layer_outputs(tokens, kinds)
+        return LayerTrace(trace.tokens, self.change(dict(trace.tensors)), trace.names)
+
+
+def test_a_broken_residual_connection_is_named_when_no_block_reproduces_the_divergence(models):
+    """Not localized used to FAIL "output" with no cause. Each layer's output must be its input
+    plus its blocks: when that identity does not hold, the residual connection is wrong (FAIL,
+    said so); when it holds, the divergence is accumulated rounding (PASS; the real SmolLM2
+    long-prompt case in test_low_precision)."""
+    from ggufcheck.engines.reference import ReferenceEngine
+
+    m = models("llama")
+    inner = ReferenceEngine(m.path, dtype="fp32")
+    last = m.ref.cfg.n_layer - 1
+
+    def broken(t):  # the last layer's output misses a bit of its residual: blocks untouched
+        t[("residual", last)] = t[("residual", last)] * np.float32(1.01)
+        return t
+
+    report = m.layers(_Perturbed(inner, broken), _prompts(3))
+    verdict = decide([report])
+    assert (verdict.component, verdict.layer) == ("output", last) and "residual connection is broken" in verdict.message
+
+    inner.close()
