@@ -58,3 +58,10 @@ def test_docs_list_every_component():
     doc = (Path(__file__).parents[2] / "docs" / "verdicts.md").read_text()
     for c in COMPONENTS:
         assert f"| `{c.name}` |" in doc, c.name
+
+
+def test_the_terminal_shows_evidence_in_words_not_python_dicts():
+    from ggufcheck.report.diagnosis import plain
+
+    assert plain({"sequence": 2, "position": 81, "element": 260}) == "sequence 2, position 81, element 260"
+    assert plain({"rank": 1, "holds_rank": 0}) == "rank 1, holds rank 0"

@@ -73,10 +73,19 @@ def render_verdict(console: Console, verdict: Any, elapsed_s: float | None = Non
         if verdict.evidence.get("tensor"):
             lines.append(f"[bold]tensor:[/] {escape(str(verdict.evidence['tensor']))}")
         if verdict.evidence.get("worst"):
-            lines.append(f"[bold]worst:[/] {escape(str(verdict.evidence['worst']))}")
+            lines.append(f"[bold]worst:[/] {escape(plain(verdict.evidence['worst']))}")
         if verdict.next_steps:
             lines.append(f"[bold]look next at:[/] {escape(verdict.next_steps)}")
         body = "\n".join(lines)
     if elapsed_s is not None:
         body += f"\n[dim]{elapsed_s:.1f} s[/]"
     console.print(Panel(body, title=title, border_style=style, title_align="left"))
+
+
+def plain(value) -> str:
+    """``{'rank': 1, 'position': 81}`` -> ``rank 1, position 81`` (no Python syntax on a terminal)."""
+    if isinstance(value, dict):
+        return ", ".join(f"{str(k).replace('_', ' ')} {plain(v)}" for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return ", ".join(plain(v) for v in value)
+    return str(value)
