@@ -418,11 +418,20 @@ def test_exported_deepseek2_at_tp2_every_rank_audited_through_vllms_own_mla_abso
     loaded, equal their slices of the GGUF."""
     from ggufcheck.engines.vllm import VllmEngine, VllmOptions
 
+    from ggufcheck.checks.layers import replay_errors
+    from ggufcheck.reference.model import ReferenceModel
+
     with VllmEngine(deepseek2, VllmOptions(tp=2, export=True, python=vllm_python)) as e:
         held = e.held_parameters(1)
         assert "model.layers.0.self_attn.kv_b_proj.weight#absorbed" in held
         assert e.weight("model.layers.0.self_attn.kv_b_proj.weight", rank=1).shape == (2 * 128, 512)  # 2 heads/rank
         d = _run(deepseek2, e)
+        # every block replayed on vLLM's own inputs: the router's choices (captured from its
+        # select_experts) and the routed / dense FFNs agree with the reference to fp32 noise
+        assert "router" in e.capabilities.layer_outputs
+        rows = replay_errors(e, ReferenceModel(deepseek2, dtype="fp64"), [list(range(300, 332))])
+    assert [r["router_jaccard"] for r in rows] == [None, 1.0]  # layer 0 is dense
+    assert all(r["ffn"] < 1e-5 for r in rows), rows
     w = _weights(d)
     assert not [r.message for r in w.results if r.failed]
     passes = [r for r in w.results if r.status.value == "PASS"]

@@ -428,7 +428,8 @@ def replay_errors(engine, reference, tokens_list: Sequence[Sequence[int]], optio
     correct engine of a class does against its allowances (tools/measure_allowances.py, tests).
 
     DSA / MoE near-ties are left out with the margins of ``activation_dtype`` (default: the
-    engine's class), as the stage does. Rows: {"layer", "residual", "attention", "ffn"}.
+    engine's class), as the stage does. Rows: {"layer", "residual", "attention", "ffn",
+    "router_jaccard" (MoE layers whose engine reports its router choices, else None)}.
     """
     opts = options or LayerOptions()
     cls = activation_dtype or engine.capabilities.activation_dtype
@@ -449,11 +450,13 @@ def replay_errors(engine, reference, tokens_list: Sequence[Sequence[int]], optio
             errs = errs if masks[n][i] is None else errs[masks[n][i]]
             residual = max(residual, float(errs.max()) if errs.numel() else 0.0)
         results, _ = _localize(i, runs, reference, None, set(kinds), opts, 0.0, margin, router_margin)
-        block = {"attention": 0.0, "ffn": 0.0}
+        block: dict[str, float | None] = {"attention": 0.0, "ffn": 0.0, "router_jaccard": None}
         for r in results:
             kind = {"layers.attention": "attention", "layers.replay": "attention", "layers.ffn": "ffn"}.get(r.check)
             if kind:
                 block[kind] = max(block[kind], float(r.stats.get("error", 0.0)))
+            if r.check == "layers.router" and "mean_jaccard" in r.stats:
+                block["router_jaccard"] = float(r.stats["mean_jaccard"])
         rows.append({"layer": i, "residual": residual, **block})
     return rows
 

@@ -442,7 +442,8 @@ class VllmEngine(Engine):
         reply, out = self._forward([seq], layers=True)
         tensors: dict[tuple[str, int], np.ndarray] = {}
         names: dict[tuple[str, int], str] = {}
-        modules = {"residual": "layers.{i}", "attention": "layers.{i}.self_attn", "ffn": "layers.{i}.mlp"}
+        modules = {"residual": "layers.{i}", "attention": "layers.{i}.self_attn", "ffn": "layers.{i}.mlp",
+                   "router": "layers.{i}.mlp.experts.router"}
         per_rank: dict[int, dict[tuple[str, int], np.ndarray]] = {}
         for key, value in out.items():
             if not key.startswith("layer0."):  # sequence 0

@@ -272,6 +272,27 @@ def rank_install_hooks(worker):
                 handles.append(sub.register_forward_hook(keep(kind, i)))
                 if i == 0:
                     kinds.append(kind)
+    # MoE: the experts each token was routed to, from the router's own select_experts (an
+    # instance attribute wraps it: routers are plain objects of the fused-MoE module)
+    import re
+
+    for mod_name, mod in model.named_modules():
+        router = getattr(mod, "router", None)
+        at = re.search(r"layers\.(\d+)\.", mod_name + ".")
+        select = getattr(router, "select_experts", None)
+        if at is None or not callable(select) or getattr(router, "_ggufcheck_wrapped", False):
+            continue
+
+        def observed_select(*args, _select=select, _i=int(at.group(1)), **kwargs):
+            out = _select(*args, **kwargs)
+            if state["on"] and state["layers"]:
+                state["current"][("router", _i)] = out[1].detach().to(torch.float32).cpu().numpy().copy()
+            return out
+
+        router.select_experts = observed_select
+        router._ggufcheck_wrapped = True
+        if "router" not in kinds:
+            kinds.append("router")
     state["handles"] = handles
     # the loaded quantized parameters may be cached dequantized by the CPU compat layer
     try:
