@@ -124,7 +124,8 @@ def test_a_worker_that_dies_or_hangs_is_reported_and_reaped(tiny, tmp_path):
     dies = tmp_path / "dies.sh"
     dies.write_text("#!/bin/sh\necho 'vllm exploded at start' >&2\nexit 7\n")
     hangs = tmp_path / "hangs.sh"
-    hangs.write_text("#!/bin/sh\n# ggufcheck_vllm_worker stand-in that never connects\nexec sleep 300\n")
+    marker = f"ggufcheck-hang-{os.getpid()}-{time.monotonic_ns()}"  # its process name, unique to this run
+    hangs.write_text(f"#!/bin/bash\n# ggufcheck_vllm_worker stand-in that never connects\nexec -a {marker} sleep 300\n")
     for script in (dies, hangs):
         script.chmod(0o755)
     t0 = time.monotonic()
@@ -134,8 +135,7 @@ def test_a_worker_that_dies_or_hangs_is_reported_and_reaped(tiny, tmp_path):
         open_engine(f"vllm:python={hangs},start_timeout=3", tiny[("qwen2", "F32")])
     assert time.monotonic() - t0 < 30
     time.sleep(0.5)
-    leftover = [line for line in Path("/proc").glob("[0-9]*")
-                if _cmdline(line).startswith(f"sleep 300")]
+    leftover = [line for line in Path("/proc").glob("[0-9]*") if _cmdline(line).startswith(marker)]
     assert not leftover, "the hanging stand-in was left running"
 
 
