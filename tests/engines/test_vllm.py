@@ -147,13 +147,16 @@ def _cmdline(pid_dir: Path) -> str:
 
 
 # ------------------------------------------------------------------------- the real vLLM
-@pytest.fixture(scope="module")
-def qwen2_f32_tp1(vllm_python, tiny):
+def _engine(path, python, **options):
     from ggufcheck.engines.vllm import VllmEngine, VllmOptions
 
-    engine = VllmEngine(tiny[("qwen2", "F32")], VllmOptions(tp=1, python=vllm_python))
-    yield engine
-    engine.close()
+    return VllmEngine(path, VllmOptions(python=python, **options))
+
+
+@pytest.fixture(scope="module")
+def qwen2_f32_tp1(vllm_python, tiny):
+    with _engine(tiny[("qwen2", "F32")], vllm_python, tp=1) as engine:
+        yield engine
 
 
 def test_tp1_f32_is_healthy_through_every_stage(qwen2_f32_tp1, tiny):
@@ -211,11 +214,8 @@ def test_cli_exit_status_and_no_orphans(vllm_python, tiny, tmp_path):
 
 @pytest.fixture(scope="module")
 def qwen2_q4_tp2(vllm_python, tiny):
-    from ggufcheck.engines.vllm import VllmEngine, VllmOptions
-
-    engine = VllmEngine(tiny[("qwen2", "Q4_0")], VllmOptions(tp=2, python=vllm_python))
-    yield engine
-    engine.close()
+    with _engine(tiny[("qwen2", "Q4_0")], vllm_python, tp=2) as engine:
+        yield engine
 
 
 def _file_rows(path, names, rank, tp=2):
@@ -274,11 +274,8 @@ def test_tp2_with_rank1_rows_from_the_file_is_healthy_then_a_wrong_slice_is_name
 
 @pytest.fixture(scope="module")
 def llama_q8_tp1(vllm_python, tiny):
-    from ggufcheck.engines.vllm import VllmEngine, VllmOptions
-
-    engine = VllmEngine(tiny[("llama", "Q8_0")], VllmOptions(tp=1, python=vllm_python))
-    yield engine
-    engine.close()
+    with _engine(tiny[("llama", "Q8_0")], vllm_python, tp=1) as engine:
+        yield engine
 
 
 def test_llama_qk_rows_in_gguf_order_real_defect_then_repaired(llama_q8_tp1, tiny):

@@ -255,22 +255,25 @@ class _Worker:
             pass
 
 
-def _config_dir(model_path: Path) -> Path:
-    """Where the config.json + tokenizer generated from this GGUF are kept (one per file version)."""
+def _cached(kind: str, model_path: Path) -> Path:
+    """``$GGUFCHECK_CACHE/KIND/STEM-KEY`` (default ~/.cache/ggufcheck, as the test models'
+    cache): one folder per file version (path, size, mtime)."""
     st = model_path.stat()
     key = hashlib.sha256(f"{model_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ggufcheck" / "vllm-config"
-    return root / f"{model_path.stem}-{key}"
+    root = Path(os.environ.get("GGUFCHECK_CACHE") or Path.home() / ".cache" / "ggufcheck")
+    return root / kind / f"{model_path.stem}-{key}"
+
+
+def _config_dir(model_path: Path) -> Path:
+    """Where the config.json + tokenizer generated from this GGUF are kept."""
+    return _cached("vllm-config", model_path)
 
 
 def _export_dir(model_path: Path) -> Path:
     """The HF checkpoint exported from this GGUF (made once per file version, then reused)."""
     from ggufcheck.arch.export import export_checkpoint
 
-    st = model_path.stat()
-    key = hashlib.sha256(f"{model_path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ggufcheck" / "vllm-export"
-    out = root / f"{model_path.stem}-{key}"
+    out = _cached("vllm-export", model_path)
     if not (out / "config.json").is_file():
         export_checkpoint(model_path, out)  # config.json last: a half-written export is redone
     return out
@@ -400,10 +403,9 @@ class VllmEngine(Engine):
     def _tables(self, seqs: list[list[int]], reply: dict[str, Any], out: dict[str, np.ndarray]) -> list[TokenLogprobs]:
         tables = []
         for i, s in enumerate(seqs):
-            found = np.array(reply["found"][i][:len(s)], dtype=bool)
+            found = np.array(reply["found"][i][:len(s)], dtype=bool)  # positions vLLM computed
             lp = np.zeros((len(s), self.vocab_size), dtype=np.float32)
-            rows = log_softmax(out[f"logits{i}"]).astype(np.float32)  # [found rows, V]
-            lp[np.flatnonzero(np.array(reply["found"][i], dtype=bool))[:len(rows)][:len(s)]] = rows[:found.sum()]
+            lp[found] = log_softmax(out[f"logits{i}"][:found.sum()]).astype(np.float32)  # rows in position order
             tables.append(TokenLogprobs(s, self.vocab_size, lp, present=found))
         return tables
 
