@@ -165,10 +165,10 @@ def test_tp1_f32_is_healthy_through_every_stage(qwen2_f32_tp1, tiny):
     assert {"weights", "layers", "logits", "paths"} <= _stages_ran(d)
     caps = qwen2_f32_tp1.capabilities
     assert caps.full_vocab and caps.batch and caps.chunked_prefill and caps.weights
-    assert caps.activation_dtype == "fp32" and caps.layer_outputs == {"residual", "attention", "ffn"}
+    assert caps.activation_dtype == "fp32" and caps.layer_outputs == {"residual", "attention", "ffn", "rope"}
 
 
-def test_score_decode_batch_and_chunks_are_vllms_own(qwen2_f32_tp1):
+def test_score_decode_batch_and_chunks_are_vllms_own(qwen2_f32_tp1, tiny):
     """Full-vocabulary tables at every position from vLLM's compute_logits; the greedy tokens
     vLLM sampled equal the argmax of the step tables; batch and chunked prefill line up."""
     e = qwen2_f32_tp1
@@ -188,6 +188,14 @@ def test_score_decode_batch_and_chunks_are_vllms_own(qwen2_f32_tp1):
     assert chunked.present.all()
     np.testing.assert_allclose(chunked.logprobs, table.logprobs, atol=1e-4)
     trace = e.layer_outputs(seq)
+    # vLLM's rope on this model's 2-D q / k: a rotation by the reference angles, NEOX pairs
+    from ggufcheck.checks.rope import rope_result
+    from ggufcheck.reference.model import ReferenceModel
+
+    ref = ReferenceModel(tiny[("qwen2", "F32")], dtype="fp64")
+    for i in range(e.n_layers):
+        r = rope_result([(trace, None, None)], i, ref, 0.0)
+        assert r.status.value == "PASS" and r.stats["pairing"] == "NEOX" and r.stats["error"] < 1e-5, r.message
     for i in range(1, e.n_layers):  # vLLM's (hidden, residual) sum is the residual stream
         np.testing.assert_allclose(trace.tensors[("residual", i - 1)] + trace.tensors[("attention", i)]
                                    + trace.tensors[("ffn", i)], trace.tensors[("residual", i)], rtol=1e-4, atol=1e-4)
@@ -447,3 +455,22 @@ def test_experts_in_the_wrong_order_in_the_real_engine_are_named(vllm_python, de
         d = _run(deepseek2, e)
     assert (d.verdict.stage, d.verdict.component, d.verdict.layer) == ("weights", "moe-experts", 1)
     assert "model.layers.1.mlp.experts." in d.verdict.message
+
+
+def test_deepseek_mla_rope_on_vllm_cpu_real_defect_then_vllms_own_torch_rope_is_healthy(vllm_python, deepseek2,
+                                                                                        monkeypatch):
+    """Real defect (docs/real-world-cases.md, case 3): vLLM-CPU 0.32's rotary_embedding op
+    reads MLA's 3-D q_pe [T, H, 64] (and the strided k_pe) as if they were [T, 64]. ggufcheck
+    names the rope at layer 0 from the kernel's own inputs and outputs; with vLLM's own
+    torch rope (forward_native) swapped in, every stage of the same deployment passes, so the
+    kernel is the whole difference."""
+    with _engine(deepseek2, vllm_python, tp=1, export=True) as e:
+        d = _run(deepseek2, e)
+    assert (d.verdict.stage, d.verdict.component, d.verdict.layer, d.verdict.check) == ("layers", "rope", 0, "layers.rope")
+    assert "not a rotation by the reference angles in either pairing" in d.verdict.message
+    monkeypatch.setenv("GGUFCHECK_VLLM_ROPE", "native")
+    with _engine(deepseek2, vllm_python, tp=1, export=True) as e:
+        d = _run(deepseek2, e)
+        assert any("forward_native" in note for note in e.describe()["cpu_compat"]), e.describe()
+    assert d.verdict.healthy, _fails(d)
+    assert {"weights", "layers", "logits", "paths"} <= _stages_ran(d)

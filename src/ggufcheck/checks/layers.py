@@ -20,6 +20,8 @@
      otherwise "moe-experts" (the router agrees or is not exposed). Dense: "ffn".
    - glm-dsa: indexer top-k overlap as SETS, positions the reference marks as boundary ties
      left out -> "indexer".
+   - Attention: where the engine exposes its rope call, the rope kernel is checked on the
+     engine's own q / k against the reference angles (``checks/rope.py``) -> "rope".
    - Finer attribution only by positive identification: the engine's block equals, within
      the same baseline, the reference block with ONE named change: rope pairing swapped ->
      "rope"; another RMS eps (a grid of powers of ten) -> "norm"; kv_b under a known wrong TP layout ->
@@ -44,6 +46,7 @@ import torch
 from torch import Tensor
 
 from ggufcheck.checks.logits import INDEXER_TIE_MARGINS
+from ggufcheck.checks.rope import rope_result
 from ggufcheck.engines.base import Unsupported
 from ggufcheck.results import Result, StageReport, failed, passed, skipped
 
@@ -261,7 +264,7 @@ def run_layers_stage(engine, reference, tokens_list: Sequence[Sequence[int]], ba
     residual_allowance = opts.residual_allowances.get(caps.activation_dtype, 0.0)
     margin = opts.indexer_tie_margins.get(caps.activation_dtype, 0.0)
     router_margin = opts.router_tie_margins.get(caps.activation_dtype, opts.router_tie_margin)
-    want_kinds = [k for k in ("residual", "attention", "ffn", "router", "indexer") if k in kinds]
+    want_kinds = [k for k in ("residual", "attention", "ffn", "router", "indexer", "rope") if k in kinds]
 
     runs = []  # per sequence: (engine trace, reference trace, baseline trace or None)
     shortened = []
@@ -435,7 +438,8 @@ def replay_errors(engine, reference, tokens_list: Sequence[Sequence[int]], optio
     cls = activation_dtype or engine.capabilities.activation_dtype
     margin = opts.indexer_tie_margins.get(cls, 0.0)
     router_margin = opts.router_tie_margins.get(cls, opts.router_tie_margin)
-    kinds = [k for k in ("residual", "attention", "ffn", "router", "indexer") if k in engine.capabilities.layer_outputs]
+    kinds = [k for k in ("residual", "attention", "ffn", "router", "indexer", "rope")
+             if k in engine.capabilities.layer_outputs]
     runs = []
     for s in tokens_list:
         s, eng = _layer_outputs_that_fit(engine, [int(t) for t in s], kinds)
@@ -664,7 +668,13 @@ def _localize(i: int, runs, reference, baseline_reference, kinds: set[str], opts
         rep.close()
         return results, named
     if attn_bad:
-        comp, how = _match(hyp_inputs, rep, a_limit, _hypotheses_attention(cfg), "attn_out", margin)
+        rope = rope_result(runs, i, reference, a_limit)  # the engine's own rope call, on its own q / k
+        if rope is not None:
+            results.append(rope)
+        if rope is not None and rope.failed:
+            comp, how = "rope", None
+        else:
+            comp, how = _match(hyp_inputs, rep, a_limit, _hypotheses_attention(cfg), "attn_out", margin)
         indexer_bad = any(r.check == "layers.indexer" and r.status.value == "FAIL" for r in results)
         if comp is None:
             comp = "indexer" if indexer_bad else "attention"
@@ -672,6 +682,8 @@ def _localize(i: int, runs, reference, baseline_reference, kinds: set[str], opts
                f"error {attn_err.value:.3g} > limit {a_limit:.3g} (baseline {attn_base.value:.3g})")
         if how:
             msg += f"; it matches the reference with {how}"
+        elif comp == "rope":
+            msg += "; the engine's rope kernel is not a rotation by the reference angles on its own q / k (layers.rope)"
         results.append(failed("layers.attention", comp, msg, layer=i, stats=a_stats, worst=attn_err.worst()))
         named = True
     else:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from ggufcheck.diagnose.vocabulary import ORDER, component
+from ggufcheck.diagnose.vocabulary import CHECK_NEXT_STEPS, ORDER, component
 from ggufcheck.results import Result, StageReport, Status, _jsonable
 
 GENERIC = {"attention": 1, "output": 2}
@@ -66,7 +66,8 @@ def decide(stages: Iterable[StageReport]) -> Verdict:
         return Verdict(
             healthy=False, component=first.component, layer=first.layer, stage=stage.stage,
             check=first.check, message=first.message, evidence=evidence,
-            next_steps=component(first.component).next_steps if first.component in ORDER else "",
+            next_steps=CHECK_NEXT_STEPS.get(first.check) or (
+                component(first.component).next_steps if first.component in ORDER else ""),
             errors=errors,
         )
     if errors:

@@ -72,6 +72,12 @@ COMPONENTS: tuple[Component, ...] = (
 BY_NAME = {c.name: c for c in COMPONENTS}
 ORDER = {c.name: i for i, c in enumerate(COMPONENTS)}
 
+# Where a check knows more than its component, its own next step (by check name).
+CHECK_NEXT_STEPS = {
+    "layers.rope": "call the engine's rope op on the worst row's q / k, with the shapes and strides the model "
+                   "passes, next to a plain-torch rotation (the engine's own reference path if it has one)",
+}
+
 
 def component(name: str) -> Component:
     try:

@@ -44,7 +44,9 @@ import numpy as np
 from ggufcheck.errors import Unavailable
 
 # Per-layer tensor kinds an engine may expose through ``layer_outputs``.
-LAYER_KINDS = ("residual", "attention", "ffn", "moe", "router", "indexer")
+# "rope": the rope call's query / key heads in and out [T, 2, N, R] (with "ropepos" [T] and
+# "ropeqheads" [T] alongside), see checks/rope.py.
+LAYER_KINDS = ("residual", "attention", "ffn", "moe", "router", "indexer", "rope")
 
 
 class Unsupported(Unavailable):

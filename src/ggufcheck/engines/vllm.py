@@ -445,13 +445,14 @@ class VllmEngine(Engine):
         tensors: dict[tuple[str, int], np.ndarray] = {}
         names: dict[tuple[str, int], str] = {}
         modules = {"residual": "layers.{i}", "attention": "layers.{i}.self_attn", "ffn": "layers.{i}.mlp",
-                   "router": "layers.{i}.mlp.experts.router"}
+                   "router": "layers.{i}.mlp.experts.router",
+                   "rope": "layers.{i}.self_attn.rotary_emb"}
         per_rank: dict[int, dict[tuple[str, int], np.ndarray]] = {}
         for key, value in out.items():
             if not key.startswith("layer0."):  # sequence 0
                 continue
             _, rank, kind, layer = key.split(".")
-            if kind not in kinds:
+            if kind not in kinds and not (kind in ("ropepos", "ropeqheads") and "rope" in kinds):
                 continue
             if rank == "0":
                 tensors[(kind, int(layer))] = value

@@ -58,6 +58,9 @@ def _compat_notes() -> list[str]:
 
     if getattr(lutils, "_ggufcheck_patched", False):
         notes.append(_COMPAT_NOTES[2])
+    if os.environ.get("GGUFCHECK_VLLM_ROPE") == "native":
+        notes.append("rotary embeddings computed by vLLM's own torch path (forward_native), not its CPU kernel "
+                     "(GGUFCHECK_VLLM_ROPE=native)")
     return notes
 
 
@@ -214,6 +217,7 @@ def _model(worker):
 
 
 def rank_install_hooks(worker):
+    import numpy as np
     import torch
 
     model = _model(worker)
@@ -272,6 +276,52 @@ def rank_install_hooks(worker):
                 handles.append(sub.register_forward_hook(keep(kind, i)))
                 if i == 0:
                     kinds.append(kind)
+    # Rotary embeddings: each layer's rope call, inputs and outputs (the first 8 query and
+    # key heads of the rotated dims) and the positions vLLM passed, so the host can check
+    # the engine's rope kernel against the reference formula on the engine's own q / k.
+    # vLLM shares one rope module between layers (get_rope caches them): a pre-hook on each
+    # attention block says which layer is calling.
+    def calling(i):
+        def pre(_mod, _args):
+            state["layer_now"] = i
+        return pre
+
+    ropes = {}
+    for i, layer in enumerate(layers):
+        attn = getattr(layer, "self_attn", None)
+        if attn is None:
+            continue
+        for _n, mod in attn.named_modules():
+            if hasattr(mod, "cos_sin_cache") and hasattr(mod, "is_neox_style") and hasattr(mod, "rotary_dim"):
+                ropes[id(mod)] = mod
+                handles.append(attn.register_forward_pre_hook(calling(i)))
+                break
+    for rope in ropes.values():
+        rope_forward = rope.forward
+
+        def observed_rope(positions, query, key=None, *args, _rope=rope, _forward=rope_forward, **kwargs):
+            want = (state["on"] and state["layers"] and key is not None and positions.dim() == 1
+                    and "layer_now" in state)
+            if want:
+                n, hs, rd = positions.shape[0], _rope.head_size, _rope.rotary_dim
+                q_in = query.detach().reshape(n, -1, hs)[:, :8, :rd].clone()
+                k_in = key.detach().reshape(n, -1, hs)[:, :8, :rd].clone()
+            out = _forward(positions, query, key, *args, **kwargs)
+            if want:
+                q_out = out[0].detach().reshape(n, -1, hs)[:, :8, :rd]
+                k_out = out[1].detach().reshape(n, -1, hs)[:, :8, :rd]
+                i = state["layer_now"]
+                state["current"][("rope", i)] = arr(torch.stack((torch.cat((q_in, k_in), 1),
+                                                                 torch.cat((q_out, k_out), 1)), 1))
+                state["current"][("ropepos", i)] = positions.detach().to(torch.float32).cpu().numpy().copy()
+                state["current"][("ropeqheads", i)] = np.full(n, q_in.shape[1], dtype=np.float32)
+            return out
+
+        rope.forward = observed_rope
+        if os.environ.get("GGUFCHECK_VLLM_ROPE") == "native":  # reproducers: vLLM's own torch rope
+            rope._forward_method = rope.forward_native
+    if ropes and "rope" not in kinds:
+        kinds.append("rope")
     # MoE: the experts each token was routed to, from the router's own select_experts (an
     # instance attribute wraps it: routers are plain objects of the fused-MoE module)
     import re
