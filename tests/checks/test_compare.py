@@ -105,8 +105,7 @@ def test_bad_options_are_usage_errors(setup):
         compare.run(_args(str(model), "--engine", "llama-cpp:gpu_layers=3"))
 
 
-@pytest.mark.parametrize("fault, blamed", [("ShiftedPrefill", "prefill"), ("DecodeDrift", "decode"),
-                                           ("ShuffledLogits", "output")])
+@pytest.mark.parametrize("fault, blamed", [("DecodeDrift", "decode"), ("ShuffledLogits", "output")])
 def test_the_reference_names_the_broken_path(setup, fault, blamed):
     """Prefill and decode each compared with the reference: the path that disagrees is named."""
     from ggufcheck.checks.compare import CompareOptions, run_compare
@@ -160,3 +159,24 @@ def test_prompt_longer_than_the_engine_context_is_left_out_with_a_skip(setup):
     assert not logits.failures and any(r.status == Status.PASS for r in logits.results)
     assert all(r.status == Status.SKIP and "no prompt was scored" in r.message
                for stage in only_long for r in stage.results)
+
+
+def test_prompt_logprobs_shifted_by_one_row_are_named_and_the_realigned_rows_judged(setup):
+    """A server that reports each prompt distribution one row early (llama-cpp-python's echo
+    dialect) made a healthy model look random; the offset is named as the API's, and every
+    other check judges the realigned rows and passes (sanity: the test model is random)."""
+    from ggufcheck.checks.compare import CompareOptions, run_compare
+    from ggufcheck.engines import faults
+    from ggufcheck.engines.spec import open_engine
+
+    model, _ = setup
+    with open_engine("llama-cpp:n_ctx=64,n_threads=2", model) as llama, open_engine("reference", model) as ref:
+        seqs = [llama.tokenize(t) for t in ("The capital of France is Paris.", "1, 2, 3, 5, 8, 13, 21")]
+        stages = run_compare(faults.ShiftedPrefill(llama), seqs, reference=ref,
+                             options=CompareOptions(max_new_tokens=4, chunk_sizes=(), run_sanity=False))
+        healthy = run_compare(llama, seqs, reference=ref, options=CompareOptions(max_new_tokens=4, chunk_sizes=(), run_sanity=False))
+    failures = [r for st in stages for r in st.results if r.failed]
+    assert [(r.check, r.component) for r in failures] == [("logits.alignment", "api")], [r.message for r in failures]
+    assert failures[0].stats["offset"] == 1 and "shifted by 1 position" in failures[0].message
+    assert failures[0].stats["kl_realigned"] * 20 < failures[0].stats["kl_as_reported"]
+    assert not [r for st in healthy for r in st.results if r.check == "logits.alignment"]  # no false alarm

@@ -71,3 +71,66 @@ def test_nondeterministic_engine_fails_determinism(llama, sequences):
 def test_broken_chunked_prefill_fails(llama, sequences, llama_tables):
     (result,) = check_chunked_prefill(BrokenChunks(llama), sequences[:1], llama_tables[:1], Q8, OPTIONS)
     assert result.status == Status.FAIL and result.component == "prefill"
+
+
+# ------------------------------------------------- long decode: faults past a few tokens
+def _diagnose_kv_fault(after):
+    """Diagnose (defaults) a tiny llama whose KV cache goes wrong from decode step ``after``."""
+    from ggufcheck.diagnose.plan import DiagnoseOptions, diagnose
+    from ggufcheck.testing.faults import make_faulty_engine
+    from ggufcheck.testing.tiny import build_tiny_gguf
+    import tempfile
+    from pathlib import Path
+
+    path = build_tiny_gguf("llama", Path(tempfile.mkdtemp()) / "kv.gguf", qtypes="F32", seed=1).path
+    engine = make_faulty_engine("kv-cache-corrupt-decode", path, after=after) if after else None
+    if engine is None:
+        from ggufcheck.engines.reference import ReferenceEngine
+
+        engine = ReferenceEngine(path, dtype="fp32")
+    return diagnose(DiagnoseOptions(model=path, sanity=False, kernels=False, health=False), engine=engine)
+
+
+def test_a_kv_cache_that_breaks_at_decode_step_17_is_found_by_default():
+    """Decoding 6 tokens (the old default) called this engine healthy; the first prompt is now
+    decoded to position 272, and the report says where the divergence starts."""
+    d = _diagnose_kv_fault(17)
+    assert (d.verdict.component, d.verdict.stage) == ("decode", "logits")
+    first = d.verdict.evidence["stats"]["first_divergence"]
+    prompt_len = first["first_compared"] + 1  # the first decode row is the prompt's last position
+    assert first["position"] == prompt_len + 17 - 1 and first["boundary"] is None
+    assert "not at a usual block boundary" in d.verdict.message
+    paths = next(s for s in d.stages if s.stage == "paths")
+    decode = next(r for r in paths.results if r.check == "paths.prefill_vs_decode")
+    assert decode.failed and decode.stats["first_divergence"]["position"] == first["position"]
+
+
+def test_a_divergence_starting_at_position_64_is_named_as_a_block_boundary():
+    d = _diagnose_kv_fault(17)
+    prompt_len = d.verdict.evidence["stats"]["first_divergence"]["first_compared"] + 1
+    d = _diagnose_kv_fault(64 - prompt_len + 1)  # the entry at position 64 is the first wrong one
+    assert d.verdict.component == "decode"
+    assert d.verdict.evidence["stats"]["first_divergence"]["position"] == 64
+    assert "cache block / page boundary (64 tokens)" in d.verdict.message
+
+
+def test_the_long_decode_keeps_a_healthy_engine_healthy():
+    d = _diagnose_kv_fault(None)
+    assert d.verdict.healthy
+    paths = next(s for s in d.stages if s.stage == "paths")
+    decode = next(r for r in paths.results if r.check == "paths.prefill_vs_decode")
+    assert decode.status is Status.PASS and decode.stats["kl"]["n"] >= 272 - 96
+
+
+def test_an_isolated_spike_is_not_an_onset_and_the_indexer_top_k_is_a_landmark():
+    from ggufcheck.checks.logits import PositionMetrics
+    from ggufcheck.checks.paths import first_divergence
+
+    kl = np.zeros(40)
+    kl[5] = 1.0  # a near-tie flip
+    kl[30:] = 1.0
+    m = PositionMetrics(kl=kl, agree=kl == 0, delta_p=kl, nmse=kl, sequence=np.zeros(40, int),
+                        position=np.arange(10, 50), ref_argmax=np.zeros(40), eng_argmax=np.zeros(40))
+    first = first_divergence(m, 0.1, {"the DSA indexer's top_k": 40})
+    assert first["position"] == 40 and first["boundary"] == "the DSA indexer's top_k 40"
+    assert first_divergence(m, 2.0) is None

@@ -30,7 +30,8 @@ from ggufcheck.checks.logits import (
     distribution,
     judge,
 )
-from ggufcheck.checks.paths import PathOptions, run_paths
+from ggufcheck.checks.alignment import Realigned, detect_offset, shift_rows
+from ggufcheck.checks.paths import first_divergence, landmarks, PathOptions, run_paths
 from ggufcheck.checks.sanity import SanityLimits, run_sanity
 from ggufcheck.engines.base import Engine, TokenLogprobs, Unsupported
 from ggufcheck.results import Result, StageReport, failed, passed, skipped
@@ -43,6 +44,7 @@ class CompareOptions:
     top_k: int = 20
     max_new_tokens: int = 8
     decode_prompts: int = 2
+    long_decode_to: int = 272  # the first prompt decoded to this position (PathOptions)
     chunk_sizes: tuple[int, ...] = (5,)
     tolerance: LogitTolerance = field(default_factory=LogitTolerance)
     sanity: SanityLimits = field(default_factory=SanityLimits)
@@ -88,13 +90,27 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
         return [StageReport(name, results=[skipped(name, "output", f"no prompt was scored: {why}")])
                 for name in ("sanity", "logits", "paths")]
 
+    # served prompt log-probs at the wrong rows (an API dialect) are named first, then every
+    # check judges the realigned rows
+    ref_tables, alignment = None, None
+    if reference is not None:
+        say(f"scoring {len(seqs)} prompts on {reference.name}")
+        if hasattr(reference, "tie_margin"):  # DSA top-k near-ties the engine's class may flip
+            reference.tie_margin = INDEXER_TIE_MARGINS.get(engine.capabilities.activation_dtype, 0.0)
+        ref_tables = [reference.score(s) for s in seqs]
+        found = detect_offset(ref_tables, tables)
+        if found is not None:
+            alignment, offset = found
+            engine = Realigned(engine, offset)
+            tables = [shift_rows(t, offset) for t in tables]
+
     paths_stage = StageReport("paths", info={"engine": engine.describe()})
     generations = []
     if options.run_paths:
         say("checking execution paths (prefill vs decode, batch, determinism, chunks)")
         popts = PathOptions(max_new_tokens=options.max_new_tokens, decode_prompts=options.decode_prompts,
                             chunk_sizes=options.chunk_sizes, tolerance=options.tolerance, top_k=options.top_k,
-                            indexer_top_k=options.indexer_top_k)
+                            indexer_top_k=options.indexer_top_k, long_decode_to=options.long_decode_to)
         path_baseline = combined_baseline(None, engine.capabilities.activation_dtype)
         results, generations = run_paths(engine, seqs, tables, popts, baseline=path_baseline, long_prompt=long_prompt)
         paths_stage.add(results)
@@ -112,10 +128,8 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
     if reference is None:
         logits_stage.add(skipped("logits", "output", reference_reason))
     else:
-        say(f"scoring {len(seqs)} prompts on {reference.name}")
-        if hasattr(reference, "tie_margin"):  # DSA top-k near-ties the engine's class may flip
-            reference.tie_margin = INDEXER_TIE_MARGINS.get(engine.capabilities.activation_dtype, 0.0)
-        ref_tables = [reference.score(s) for s in seqs]
+        if alignment is not None:
+            logits_stage.add(alignment)
         measured = None
         if baseline_engine is not None:
             say(f"scoring {len(seqs)} prompts on {baseline_engine.name} (baseline)")
@@ -124,18 +138,28 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
                                      f"measured {_short(baseline_engine)} vs {_short(reference)}")
         baseline = combined_baseline(measured, engine.capabilities.activation_dtype)
         metrics = collect(list(zip(ref_tables, _fit_vocab(tables, reference.vocab_size))))
-        logits_stage.add(judge(metrics, baseline, options.tolerance, detokenize=_detokenizer(engine, reference)))
+        prefill_checks = judge(metrics, baseline, options.tolerance, detokenize=_detokenizer(engine, reference))
+        logits_stage.add(prefill_checks)
+        prefill = prefill_checks[0]
         logits_stage.info["per_position"] = per_position(metrics, ref_tables, tables)
         if generations:
             say(f"scoring {len(generations)} greedy continuations on {reference.name} (decode vs reference)")
             decode_pairs = [(reference.score(g.sequence), g.steps) for g in generations]
-            decode = judge(collect(decode_pairs), baseline, options.tolerance, component="decode")[0]
+            decode_metrics = collect(decode_pairs)
+            checks = judge(decode_metrics, baseline, options.tolerance, component="decode")
+            decode = checks[0]
             decode.check = "logits.decode_kl_mean"
-            decode.message = "decode steps vs the reference: " + decode.message
-            if decode.failed and logits_stage.results[0].failed:
+            steps = ", ".join(str(len(g.generated)) for g in generations)
+            decode.message = f"decode steps vs the reference ({steps} steps): " + decode.message
+            if decode.failed:
+                first = first_divergence(decode_metrics, checks[1].stats["limit"], landmarks(options))
+                if first is not None:
+                    decode.stats["first_divergence"] = first
+                    decode.message += "; " + first["text"]
+            if decode.failed and prefill.failed:
                 decode.component = "output"  # both paths wrong: not a decode-path fault
             logits_stage.add(decode)
-            logits_stage.add(_which_path(logits_stage.results[0], decode))
+            logits_stage.add(_which_path(prefill, decode))
         logits_stage.info.update({
             "reference": reference.name, "baseline": baseline.source,
             "measured_baseline": None if measured is None else vars(measured),

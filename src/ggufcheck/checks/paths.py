@@ -6,7 +6,9 @@ position with the logits metrics:
 
 - prefill vs decode: teacher-forced log-probs of ``prompt + continuation`` equal the
   per-step log-probs of the greedy decode that produced the continuation (catches
-  scheduler, KV-cache and decode-kernel faults: catalog #11, #16);
+  scheduler, KV-cache and decode-kernel faults: catalog #11, #16). The first prompt is
+  decoded to position 272 (past the usual cache block / page sizes 16, 64, 256), the others
+  a few steps; a failure says where the divergence starts and which boundary that is;
 - batch invariance: a sequence scored alone equals the same sequence scored in a batch;
 - determinism at temperature 0: the same request twice gives the same log-probs and tokens;
 - chunked-prefill invariance: the prompt prefilled in chunks equals one prefill (#7-#9);
@@ -29,10 +31,19 @@ from ggufcheck.engines.base import Engine, Generation, TokenLogprobs, Unsupporte
 from ggufcheck.results import Result, failed, passed, skipped
 
 
+# Positions where KV caches change block / page (vLLM 16, llama.cpp and others powers of two up
+# to 256 and beyond), and where long-context bugs have been reported: a divergence that
+# starts exactly there is that component's fingerprint.
+BOUNDARIES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+
+
 @dataclass(frozen=True)
 class PathOptions:
     max_new_tokens: int = 8
     decode_prompts: int = 2  # how many prompts get a step-by-step decode (it is slow)
+    # the first prompt is decoded until this absolute position (past the usual cache block /
+    # page sizes 16, 64 and 256); 0: every decode is max_new_tokens long
+    long_decode_to: int = 272
     batch_prompts: int = 3
     chunk_sizes: tuple[int, ...] = (5,)
     tolerance: LogitTolerance = LogitTolerance()
@@ -41,7 +52,7 @@ class PathOptions:
 
 
 def _pair_verdict(check: str, component: str, what: str, pairs: Sequence[tuple[TokenLogprobs, TokenLogprobs]],
-                  baseline: Baseline, tol: LogitTolerance) -> Result:
+                  baseline: Baseline, tol: LogitTolerance, landmarks: dict[str, int] | None = None) -> Result:
     """Compare path A (first) with path B (second) at every shared position."""
     m = collect(pairs)
     if m.n == 0:
@@ -61,7 +72,54 @@ def _pair_verdict(check: str, component: str, what: str, pairs: Sequence[tuple[T
     worst = {"sequence": int(m.sequence[worst_i]), "position": int(m.position[worst_i]), "kl": float(m.kl[worst_i])}
     msg = (f"{what}: mean KL {kl['mean']:.3g} (limit {limit:.3g}), max {kl['max']:.3g} "
            f"(limit {max_limit:.3g}), argmax {agree}/{m.n} agree, over {m.n} positions")
+    if not ok:
+        first = first_divergence(m, max_limit, landmarks)
+        if first is not None:
+            stats["first_divergence"] = first
+            msg += "; " + first["text"]
     return (passed if ok else failed)(check, component, msg, stats=stats, worst=worst)
+
+
+def landmarks(options) -> dict[str, int]:
+    """Positions that fingerprint a component when a divergence starts exactly there."""
+    top_k = getattr(options, "indexer_top_k", None)
+    return {"the DSA indexer's top_k": top_k} if top_k else {}
+
+
+def first_divergence(m, limit: float, landmarks: dict[str, int] | None = None) -> dict | None:
+    """Where a divergence starts: the first position whose KL exceeds ``limit`` and from which on
+    at least half of the positions do (an isolated near-tie is not an onset), over the
+    sequence where it starts earliest; with the boundary it sits on, if any."""
+    best = None
+    for s in np.unique(m.sequence):
+        rows = np.flatnonzero(m.sequence == s)
+        rows = rows[np.argsort(m.position[rows])]
+        bad = np.nan_to_num(m.kl[rows], nan=np.inf) > limit
+        for j in np.flatnonzero(bad):
+            if bad[j:].mean() >= 0.5:
+                pos = int(m.position[rows[j]])
+                if best is None or pos < best["position"]:
+                    before = int(m.position[rows[j - 1]]) if j > 0 else None
+                    best = {"sequence": int(s), "position": pos, "first_compared": int(m.position[rows[0]]),
+                            "last_good": before, "wrong_after": float(bad[j:].mean())}
+                break
+    if best is None:
+        return None
+    pos = best["position"]
+    marks = dict(landmarks or {})
+    # the row at position P is the first to read a cache entry P: a block starting at b shows
+    # first at P = b exactly
+    hit = next((f"{name} {value}" for name, value in marks.items() if value and pos == value), None)
+    if hit is None:
+        b = next((b for b in BOUNDARIES if pos == b), None)
+        if b is not None:
+            hit = f"a cache block / page boundary ({b} tokens)"
+    where = (f"it starts at position {pos} (sequence {best['sequence']}; positions "
+             f"{best['first_compared']}..{pos - 1} agree)" if best["first_compared"] < pos else
+             f"it starts at the first compared position {pos} (sequence {best['sequence']})")
+    best["boundary"] = hit
+    best["text"] = where + (f", at {hit}" if hit else ", not at a usual block boundary")
+    return best
 
 
 def check_prefill_vs_decode(engine: Engine, prompts: Sequence[Sequence[int]], baseline: Baseline,
@@ -72,14 +130,26 @@ def check_prefill_vs_decode(engine: Engine, prompts: Sequence[Sequence[int]], ba
     # Each teacher-forced request follows a request for the bare prompt: an engine that caches
     # computed logits by prefix (llama-cpp-python keeps the last sequence's rows) must not
     # answer the teacher-forced request with the rows of the decode it is compared with.
-    generations = [engine.generate(p, options.max_new_tokens, top_k=options.top_k)
-                   for p in prompts[:options.decode_prompts]]
+    generations, note = [], ""
+    for i, p in enumerate(prompts[:options.decode_prompts]):
+        n = options.max_new_tokens
+        if i == 0 and options.long_decode_to > len(p) + n:
+            try:  # decode far enough to cross the usual cache block sizes
+                generations.append(engine.generate(p, options.long_decode_to - len(p), top_k=options.top_k))
+                continue
+            except Unsupported as why:
+                note = f"; a decode to position {options.long_decode_to} was refused ({why})"
+        generations.append(engine.generate(p, n, top_k=options.top_k))
     pairs = []
     for prompt, gen in zip(prompts, generations):
         engine.score(prompt, top_k=options.top_k)  # replaces a single-slot cache with a prefill
         pairs.append((engine.score(gen.sequence, top_k=options.top_k), gen.steps))
-    return _pair_verdict("paths.prefill_vs_decode", "decode",
-                         "teacher-forced prefill vs step-by-step decode", pairs, baseline, options.tolerance), generations
+    steps = ", ".join(str(len(g.generated)) for g in generations)
+    result = _pair_verdict("paths.prefill_vs_decode", "decode",
+                           f"teacher-forced prefill vs step-by-step decode ({steps} steps)", pairs, baseline,
+                           options.tolerance, landmarks(options))
+    result.message += note
+    return result, generations
 
 
 def check_batch_invariance(engine: Engine, prompts: Sequence[Sequence[int]], singles: Sequence[TokenLogprobs],
@@ -152,7 +222,8 @@ def check_past_indexer_top_k(engine: Engine, long_prompt: Sequence[int] | None, 
                        f"no prompt longer than the indexer top_k={options.indexer_top_k} (raise n_ctx / add one)")
     result, _ = check_prefill_vs_decode(engine, [long_prompt], baseline,
                                         PathOptions(max_new_tokens=options.max_new_tokens, decode_prompts=1,
-                                                    tolerance=options.tolerance, top_k=options.top_k))
+                                                    tolerance=options.tolerance, top_k=options.top_k,
+                                                    long_decode_to=0))
     result.check = "paths.past_indexer_top_k"
     result.component = "indexer"
     return result

@@ -37,6 +37,7 @@ class CompareCliOptions:
     paths: bool
     sanity: bool
     verbose: bool
+    decode_to: int = 272
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -59,6 +60,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-prompts", type=int, help="use only the first N prompts")
     p.add_argument("--max-tokens", type=int, default=512, help="truncate each prompt to N tokens (default 512)")
     p.add_argument("--new-tokens", type=int, default=8, help="greedy decode steps per path check (default 8)")
+    p.add_argument("--decode-to", type=int, default=272, metavar="POS",
+                   help="decode the first prompt up to this position, past the usual KV-cache block sizes "
+                        "(default 272; 0: --new-tokens only)")
     p.add_argument("--top-k", type=int, default=20, help="top-k requested from engines without full logits")
     p.add_argument("--timeout", type=float, default=60.0, help="HTTP engines: seconds per request (default 60)")
     p.add_argument("--no-paths", dest="paths", action="store_false", help="skip the execution-path checks")
@@ -78,7 +82,7 @@ def _options(args: argparse.Namespace) -> CompareCliOptions:
         raise UsageError(f"{args.model}: no such file")
     return CompareCliOptions(args.model, args.engine, args.reference, args.baseline, args.prompts, args.json,
                              args.max_prompts, args.max_tokens, args.new_tokens, args.top_k, args.timeout,
-                             args.paths, args.sanity, args.verbose)
+                             args.paths, args.sanity, args.verbose, args.decode_to)
 
 
 def _prompt_texts(options: CompareCliOptions) -> list[str]:
@@ -162,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
         stages = run_compare(
             engine, sequences, reference=reference, reference_reason=reason, baseline_engine=baseline,
             options=CompareOptions(top_k=options.top_k, max_new_tokens=options.new_tokens, run_paths=options.paths,
+                                   long_decode_to=options.decode_to,
                                    run_sanity=options.sanity, indexer_top_k=top_k),
             progress=say, long_prompt=long_prompt,
         )

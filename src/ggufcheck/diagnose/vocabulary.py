@@ -55,6 +55,9 @@ COMPONENTS: tuple[Component, ...] = (
               "replay the reference FFN on the engine's layer input"),
     Component("lm-head", "the final norm and output projection (tied or not)",
               "compare final hidden state and logits; check tied embeddings"),
+    Component("api", "how the server reports log-probs: row alignment of echoed prompt entries, raw vs "
+                     "processed values, top-k renormalisation",
+              "request the prompt log-probs of a short known text and check which position each entry scores"),
     Component("prefill", "the prompt-processing path (chunked prefill, batching of the prompt)",
               "compare logprobs under different chunk sizes and prompt lengths"),
     Component("decode", "the token-by-token generation path",
