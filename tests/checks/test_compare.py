@@ -180,3 +180,25 @@ def test_prompt_logprobs_shifted_by_one_row_are_named_and_the_realigned_rows_jud
     assert failures[0].stats["offset"] == 1 and "shifted by 1 position" in failures[0].message
     assert failures[0].stats["kl_realigned"] * 20 < failures[0].stats["kl_as_reported"]
     assert not [r for st in healthy for r in st.results if r.check == "logits.alignment"]  # no false alarm
+
+
+def test_an_engine_that_ignores_its_input_is_named_as_such(setup):
+    """The same distribution at every position (the prompt's first token repeated): named as
+    the input not reaching the model, at the embedding, not as garbage output."""
+    from ggufcheck.checks.compare import CompareOptions, run_compare
+    from ggufcheck.engines import faults
+    from ggufcheck.engines.spec import open_engine
+
+    model, _ = setup
+    with open_engine("llama-cpp:n_ctx=64,n_threads=2", model) as llama, open_engine("reference", model) as ref:
+        seqs = [llama.tokenize(t) for t in ("The capital of France is Paris.", "1, 2, 3, 5, 8, 13, 21")]
+        stages = run_compare(faults.InputIgnored(llama), seqs, reference=ref,
+                             options=CompareOptions(max_new_tokens=4, chunk_sizes=(), run_sanity=False))
+        healthy = run_compare(llama, seqs, reference=ref,
+                              options=CompareOptions(max_new_tokens=4, chunk_sizes=(), run_sanity=False))
+    from ggufcheck.diagnose.verdict import decide
+
+    verdict = decide(stages)
+    assert (verdict.check, verdict.component) == ("logits.input_ignored", "embedding"), verdict.message
+    assert "the input is ignored" in verdict.message
+    assert not [r for st in healthy for r in st.results if r.check == "logits.input_ignored"]

@@ -23,13 +23,14 @@ from ggufcheck.testing.faults import FAULTS, fault_layer, make_faulty_engine
 
 LAYER_FAULTS = {  # arch -> the faults the layers stage must name on it
     "llama": ["rope-pairing-swapped", "norm-eps-wrong", "attention-scale-wrong", "qk-permutation-missing",
-              "block-scale-corrupted"],
+              "block-scale-corrupted", "allreduce-doubled"],
     "deepseek2": ["kv-b-all-k-then-v", "kv-b-v-before-k", "experts-permuted", "router-bias-ignored",
                   "routed-scale-twice", "routed-scale-never", "rope-pairing-swapped", "norm-eps-wrong",
-                  "attention-scale-wrong", "block-scale-corrupted"],
+                  "attention-scale-wrong", "block-scale-corrupted", "gating-swapped"],
     "glm-dsa": ["kv-b-all-k-then-v", "indexer-ignored", "experts-permuted", "router-bias-ignored",
                 "routed-scale-twice", "rope-pairing-swapped", "norm-eps-wrong", "attention-scale-wrong"],
-    "glm4moe": ["experts-permuted", "router-bias-ignored", "routed-scale-never"],
+    "glm4moe": ["experts-permuted", "router-bias-ignored", "routed-scale-never", "allreduce-doubled",
+                "gating-swapped"],
 }
 CASES = [(arch, name) for arch, names in LAYER_FAULTS.items() for name in names]
 
@@ -107,6 +108,8 @@ def test_layers_stage_names_the_fault(models, arch, name):
     assert rows[want_layer]["error"] > 100 * rows[want_layer]["baseline"]
     fail = next(r for r in report.results if r.status == Status.FAIL and r.component == verdict.component)
     assert fail.stats["error"] > fail.stats["limit"] and fail.worst is not None
+    if name == "allreduce-doubled":
+        assert "2x the reference's, the tensor-parallel size 2" in fail.message, fail.message
     engine.close()
 
 
@@ -352,3 +355,17 @@ def test_a_broken_residual_connection_is_named_when_no_block_reproduces_the_dive
     assert (verdict.component, verdict.layer) == ("output", last) and "residual connection is broken" in verdict.message
 
     inner.close()
+
+
+def test_an_absent_gating_key_read_the_other_way_is_named_with_both_readings(tiny_gguf):
+    """deepseek2 without expert_gating_func: llama.cpp reads softmax; an engine routing with
+    sigmoid (as DeepSeek-V3 checkpoints are trained) is named moe-router, and the message
+    says the key is absent and which reading is whose."""
+    path = tiny_gguf("deepseek2", gating_func=None).path
+    m = _Models(path)
+    assert m.ref.cfg.gating == "softmax" and not m.ref.cfg.gating_in_file
+    engine = make_faulty_engine("gating-swapped", path, expose_weights=False)
+    verdict = decide([m.layers(engine, _prompts(1, vocab=m.ref.cfg.n_vocab))])
+    assert verdict.component == "moe-router", verdict.message
+    assert "sigmoid router gating instead of softmax (the file has no expert_gating_func" in verdict.message
+    engine.close()

@@ -100,6 +100,7 @@ def test_a_kv_cache_that_breaks_at_decode_step_17_is_found_by_default():
     prompt_len = first["first_compared"] + 1  # the first decode row is the prompt's last position
     assert first["position"] == prompt_len + 17 - 1 and first["boundary"] is None
     assert "not at a usual block boundary" in d.verdict.message
+    assert first["reference_margin"] >= 0 and "the reference's top-1 leads its top-2 by" in d.verdict.message
     paths = next(s for s in d.stages if s.stage == "paths")
     decode = next(r for r in paths.results if r.check == "paths.prefill_vs_decode")
     assert decode.failed and decode.stats["first_divergence"]["position"] == first["position"]

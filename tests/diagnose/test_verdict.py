@@ -48,7 +48,7 @@ def test_vocabulary_is_the_documented_one():
     assert names == [
         "environment", "kernel", "gguf-file", "metadata", "mapping", "dequant", "weights", "sharding",
         "embedding", "attention", "mla-kv-b", "rope", "norm", "indexer", "moe-router", "moe-experts",
-        "ffn", "lm-head", "prefill", "decode", "kv-cache", "batching", "sampling", "output",
+        "ffn", "lm-head", "api", "prefill", "decode", "kv-cache", "batching", "sampling", "output",
     ]
 
 

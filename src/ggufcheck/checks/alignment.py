@@ -11,6 +11,10 @@ log-probs are shifted by one position"), and every later check judges the realig
 
 Offset ``d``: the realigned row t is the engine's row t - d (d = +1: the engine reports each
 distribution one row early).
+
+Also here: an engine whose distribution is the same at every position of a prompt while
+the reference's changes has not read its input (:func:`input_ignored`), which no
+distribution metric says in those words.
 """
 
 from __future__ import annotations
@@ -87,3 +91,39 @@ def detect_offset(references: Sequence[TokenLogprobs], tables: Sequence[TokenLog
     return failed("logits.alignment", "api", msg,
                   stats={"offset": d, "kl_as_reported": kl0, "kl_realigned": kl, "argmax_realigned": agree,
                          "positions": n}), d
+
+
+def _tv_between_rows(table: TokenLogprobs) -> float | None:
+    """Largest total variation between consecutive present rows of one table (full vocab)."""
+    if not table.full:
+        return None
+    rows = np.flatnonzero(table.present)
+    if len(rows) < 2:
+        return None
+    p = np.exp(table.logprobs[rows].astype(np.float64))
+    return float(0.5 * np.abs(p[1:] - p[:-1]).sum(axis=1).max())
+
+
+def input_ignored(references: Sequence[TokenLogprobs], tables: Sequence[TokenLogprobs],
+                  same: float = 1e-4, differ: float = 0.05) -> Result | None:
+    """A FAIL when every prompt's rows are the same distribution (TV < ``same``) on the engine
+    while the reference's rows differ (TV > ``differ``); None otherwise."""
+    eng = [_tv_between_rows(t) for t in tables]
+    ref = [_tv_between_rows(r) for r in references]
+    pairs = [(e, r) for e, r in zip(eng, ref) if e is not None and r is not None]
+    if not pairs or not all(e < same for e, _ in pairs) or not all(r > differ for _, r in pairs):
+        return None
+    # the same FLAT distribution everywhere is a flat output (an lm-head / logits fault), not
+    # an ignored input: the rows must still say something (KL to uniform, in nats)
+    informative = [float(np.log(t.vocab_size) + (np.exp(t.logprobs[t.present]) * t.logprobs[t.present]).sum(1).mean())
+                   for t in tables if t.full]
+    if not informative or min(informative) < 1e-2:
+        return None
+    worst_e = max(e for e, _ in pairs)
+    least_r = min(r for _, r in pairs)
+    return failed("logits.input_ignored", "embedding",
+                  f"the engine gives the same distribution at every position of every prompt (largest total "
+                  f"variation between neighbouring positions {worst_e:.2g}) while the reference's change (at least "
+                  f"{least_r:.2g}): the input is ignored (token ids not reaching the model, or an embedding lookup "
+                  f"returning one row)", stats={"engine_tv_max": worst_e, "reference_tv_min": least_r,
+                                                "prompts": len(pairs)})

@@ -30,7 +30,7 @@ from ggufcheck.checks.logits import (
     distribution,
     judge,
 )
-from ggufcheck.checks.alignment import Realigned, detect_offset, shift_rows
+from ggufcheck.checks.alignment import Realigned, detect_offset, input_ignored, shift_rows
 from ggufcheck.checks.paths import first_divergence, landmarks, PathOptions, run_paths
 from ggufcheck.checks.sanity import SanityLimits, run_sanity
 from ggufcheck.engines.base import Engine, TokenLogprobs, Unsupported
@@ -130,6 +130,9 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
     else:
         if alignment is not None:
             logits_stage.add(alignment)
+        ignored = input_ignored(ref_tables, _fit_vocab(tables, reference.vocab_size))
+        if ignored is not None:
+            logits_stage.add(ignored)
         measured = None
         if baseline_engine is not None:
             say(f"scoring {len(seqs)} prompts on {baseline_engine.name} (baseline)")
@@ -141,6 +144,11 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
         prefill_checks = judge(metrics, baseline, options.tolerance, detokenize=_detokenizer(engine, reference))
         logits_stage.add(prefill_checks)
         prefill = prefill_checks[0]
+        if prefill.failed and len(prefill_checks) > 1:
+            first = first_divergence(metrics, prefill_checks[1].stats["limit"], landmarks(options))
+            if first is not None:
+                prefill.stats["first_divergence"] = first
+                prefill.message += "; " + first["text"]
         logits_stage.info["per_position"] = per_position(metrics, ref_tables, tables)
         if generations:
             say(f"scoring {len(generations)} greedy continuations on {reference.name} (decode vs reference)")

@@ -26,7 +26,8 @@
      the same baseline, the reference block with ONE named change: rope pairing swapped ->
      "rope"; another RMS eps (a grid of powers of ten) -> "norm"; kv_b under a known wrong TP layout ->
      "mla-kv-b"; dense instead of sparse attention -> "indexer"; bias-free routing ->
-     "moe-router". Nothing matched -> the block ("attention", "ffn", "moe-experts").
+     "moe-router"; the block's output times an integer >= 2 (the TP size: a doubled
+     all-reduce) -> "sharding". Nothing matched -> the block ("attention", "ffn", "moe-experts").
    When every block of the first diverging layer replays within its baseline (the layer
    itself is right and only amplifies an earlier near-limit error), the next layers are
    examined the same way (up to :attr:`LayerOptions.max_replays`); if none localizes, the
@@ -235,6 +236,12 @@ def _hypotheses_ffn(cfg, moe_layer: bool) -> list[tuple[str, str, dict | None, C
     if moe_layer:
         out.append(("moe-router", "routing without the selection bias exp_probs_b", None,
                     lambda c, i, w: {k: v for k, v in w.items() if k != "exp_probs_b.bias"}))
+        other = "sigmoid" if cfg.gating == "softmax" else "softmax"
+        how = f"{other} router gating instead of {cfg.gating}"
+        if not cfg.gating_in_file:
+            how += (f" (the file has no expert_gating_func: llama.cpp reads {cfg.gating}, the {cfg.arch} default; "
+                    f"a model trained with {other} needs the key written)")
+        out.append(("moe-router", how, {"gating": other}, None))
     return out
 
 
@@ -324,7 +331,7 @@ def run_layers_stage(engine, reference, tokens_list: Sequence[Sequence[int]], ba
     found = None
     for i in range(first, min(n_layer, first + 1 + opts.max_replays)):
         results, named = _localize(i, runs, reference, baseline_reference, kinds, opts, allowance, margin,
-                                   router_margin)
+                                   router_margin, tp=engine.capabilities.tp_size)
         if named:
             found = i
             for j in range(first, i):  # diverged, but their blocks replay within baseline: carried
@@ -453,7 +460,8 @@ def replay_errors(engine, reference, tokens_list: Sequence[Sequence[int]], optio
             errs = rel_errors(torch.as_tensor(np.asarray(eng.tensors[("residual", i)])), trace.layers[i].hidden)
             errs = errs if masks[n][i] is None else errs[masks[n][i]]
             residual = max(residual, float(errs.max()) if errs.numel() else 0.0)
-        results, _ = _localize(i, runs, reference, None, set(kinds), opts, 0.0, margin, router_margin)
+        results, _ = _localize(i, runs, reference, None, set(kinds), opts, 0.0, margin, router_margin,
+                               tp=engine.capabilities.tp_size)
         block: dict[str, float | None] = {"attention": 0.0, "ffn": 0.0, "router_jaccard": None}
         for r in results:
             kind = {"layers.attention": "attention", "layers.replay": "attention", "layers.ffn": "ffn"}.get(r.check)
@@ -540,7 +548,8 @@ def _shared_topk(i: int, cfg, eng, ref_rep, inputs) -> Tensor | None:
 
 
 def _localize(i: int, runs, reference, baseline_reference, kinds: set[str], opts: LayerOptions,
-              allowance: float, margin: float = 0.0, router_margin: float | None = None) -> tuple[list[Result], bool]:
+              allowance: float, margin: float = 0.0, router_margin: float | None = None,
+              tp: int = 1) -> tuple[list[Result], bool]:
     """Compare layer i's blocks on replayed inputs: (Results, whether a failing block was named)."""
     cfg = reference.cfg
     moe_layer = cfg.is_moe_layer(i)
@@ -553,6 +562,7 @@ def _localize(i: int, runs, reference, baseline_reference, kinds: set[str], opts
     fit_num = fit_den = 0.0
     cases = []  # per sequence: (n, target, routed) for the routed-scale fit
     hyp_inputs = []  # per sequence: what the hypotheses replay
+    a_fit, f_fit = [], []  # (engine, reference) block outputs: an integer-factor fit
     for n, (eng, ref_trace, _b) in enumerate(runs):
         h_in = _engine_input(i, eng, ref_trace)
 
@@ -581,6 +591,7 @@ def _localize(i: int, runs, reference, baseline_reference, kinds: set[str], opts
             keep_a = ~ties  # a (near) tie at the top-k boundary: either set is correct
         if a_eng is not None:
             attn_err.update(rel_errors(a_eng, out.attn_out), a_eng, out.attn_out, n, keep_a)
+            a_fit.append((a_eng, out.attn_out))
             if base_rep is not None:
                 b = base_rep.attention(h_in, shared)
                 attn_base.update(rel_errors(b.attn_out, out.attn_out), b.attn_out, out.attn_out, n, keep_a)
@@ -608,6 +619,7 @@ def _localize(i: int, runs, reference, baseline_reference, kinds: set[str], opts
                 fit_den += float((r * r).sum())
                 cases.append((n, tt, r))
             ffn_err.update(rel_errors(f_eng, f_ref), f_eng, f_ref, n, keep_f)
+            f_fit.append((f_eng, f_ref))
             if base_rep is not None:
                 fb = base_rep.ffn(after)[0]
                 ffn_base.update(rel_errors(fb, f_ref), fb, f_ref, n, keep_f)
@@ -675,6 +687,8 @@ def _localize(i: int, runs, reference, baseline_reference, kinds: set[str], opts
             comp, how = "rope", None
         else:
             comp, how = _match(hyp_inputs, rep, a_limit, _hypotheses_attention(cfg), "attn_out", margin)
+        if comp is None:
+            comp, how = _integer_factor(a_fit, a_limit, "attention", tp)
         indexer_bad = any(r.check == "layers.indexer" and r.status.value == "FAIL" for r in results)
         if comp is None:
             comp = "indexer" if indexer_bad else "attention"
@@ -699,10 +713,12 @@ def _localize(i: int, runs, reference, baseline_reference, kinds: set[str], opts
         st = {"mean_jaccard": mean_jac, "positions": n_jac, "error": 1 - mean_jac, "baseline": 0.0,
               "limit": 1 - opts.router_min_jaccard, "ratio": None}
         if mean_jac < opts.router_min_jaccard:
+            how = _match_router(hyp_inputs, runs, rep, i, _hypotheses_ffn(cfg, moe_layer), opts.router_min_jaccard)
             results.append(failed("layers.router", "moe-router",
                                   f"layer {i}: selected experts agree with the reference by Jaccard {mean_jac:.2f} "
-                                  f"(limit {opts.router_min_jaccard}) on the engine's own FFN input", layer=i, stats=st,
-                                  worst=jac_worst))
+                                  f"(limit {opts.router_min_jaccard}) on the engine's own FFN input"
+                                  + (f"; they agree with the reference routing with {how}" if how else ""),
+                                  layer=i, stats=st, worst=jac_worst))
             named = True
             ffn_bad = None  # the router explains the FFN difference: no separate FFN verdict
         else:
@@ -722,6 +738,8 @@ def _localize(i: int, runs, reference, baseline_reference, kinds: set[str], opts
                 f_stats["routed_scale_fit"] = alpha
         if comp is None:
             comp, how = _match_ffn(hyp_inputs, rep, f_limit, _hypotheses_ffn(cfg, moe_layer))
+        if comp is None:
+            comp, how = _integer_factor(f_fit, f_limit, "MoE" if moe_layer else "FFN", tp)
         comp = comp or block
         msg = (f"layer {i}: {'MoE' if moe_layer else 'FFN'} output differs from the reference replayed on the "
                f"engine's own post-attention residual: error {ffn_err.value:.3g} > limit {f_limit:.3g} "
@@ -736,6 +754,32 @@ def _localize(i: int, runs, reference, baseline_reference, kinds: set[str], opts
                               layer=i, stats=f_stats))
     rep.close()
     return results, named
+
+
+def _integer_factor(pairs, limit: float, block: str, tp: int) -> tuple[str | None, str | None]:
+    """("sharding", how) when the engine's block output is the reference's times an integer
+    factor >= 2 (within the limit after scaling): a tensor-parallel partial sum all-reduced
+    twice, or summed without the division; (None, None) otherwise."""
+    if not pairs:
+        return None, None
+    num = sum(float((e * r).sum()) for e, r in pairs)
+    den = sum(float((r * r).sum()) for _e, r in pairs)
+    if den <= 0:
+        return None, None
+    alpha = num / den
+    if not math.isfinite(alpha):
+        return None, None
+    k = round(alpha)
+    if k < 2 or abs(alpha - k) > 1e-3 * k:
+        return None, None
+    if max(float(rel_errors(e, alpha * r).max()) for e, r in pairs) > limit:
+        return None, None
+    if k == tp:
+        return "sharding", (f"its {block} output multiplied by {alpha:.4g}, the tensor-parallel size ({alpha:.4g}x "
+                            f"the reference's, the tensor-parallel size {tp}): partial sums all-reduced twice, or "
+                            "summed where they should be averaged")
+    return "sharding", (f"its {block} output multiplied by {alpha:.4g} ({alpha:.4g}x the reference's, an integer "
+                        f"factor; tensor-parallel size here {tp}): a partial sum counted {k} times")
 
 
 def _match(hyp_inputs, rep: _Replayer, limit: float, hypotheses, field_name: str, margin: float = 0.0):
@@ -759,6 +803,28 @@ def _match(hyp_inputs, rep: _Replayer, limit: float, hypotheses, field_name: str
         if worst <= limit:
             return comp, how
     return None, None
+
+
+def _match_router(hyp_inputs, runs, rep: _Replayer, layer: int, hypotheses, min_jaccard: float) -> str | None:
+    """The first routing hypothesis under which the reference selects the engine's experts."""
+    for comp, how, changes, weights in hypotheses:
+        if comp != "moe-router":
+            continue
+        cfg = rep.ref.cfg.with_options(**changes) if changes else rep.ref.cfg
+        jac, n = 0.0, 0
+        for n_seq, _h_in, _shared, a_eng, _f_eng, h64, _h_out in hyp_inputs:
+            eng_ids = runs[n_seq][0].tensors.get(("router", layer))
+            if a_eng is None or eng_ids is None:
+                return None
+            ids = rep.ffn(h64 + a_eng, cfg=cfg, weights=weights)[3]
+            eng_ids = torch.as_tensor(np.asarray(eng_ids)).to(torch.int64)
+            for t in range(len(ids)):
+                a, b = set(eng_ids[t].tolist()), set(ids[t].tolist())
+                jac += len(a & b) / max(len(a | b), 1)
+                n += 1
+        if n and jac / n >= min_jaccard:
+            return how
+    return None
 
 
 def _match_ffn(hyp_inputs, rep: _Replayer, limit: float, hypotheses):

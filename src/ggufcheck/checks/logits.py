@@ -98,6 +98,9 @@ class PositionMetrics:
     full_vocab: bool = True
     sequences: list[np.ndarray] = field(default_factory=list)
     ambiguous: int = 0  # rows left out: the reference's expected distribution is ambiguous
+    # the reference's top-1 minus top-2 log-prob per row (nats): a small one is a near-tie,
+    # where another argmax is not evidence of a fault
+    ref_margin: np.ndarray | None = None
 
     @property
     def n(self) -> int:
@@ -122,8 +125,10 @@ def compare_tables(reference: TokenLogprobs, engine: TokenLogprobs) -> dict[str,
         kl, nmse = _topk_tail_kl(reference, engine, rows)
         full = False
     observed = np.exp(engine.next_logprob[rows]) - np.exp(reference.next_logprob[rows])
+    _ids, top2 = reference.top_k(2)
+    margin = (top2[rows, 0] - top2[rows, 1]) if top2.shape[1] > 1 else np.full(len(rows), np.inf)
     return {
-        "kl": kl, "nmse": nmse, "delta_p": observed, "position": rows,
+        "kl": kl, "nmse": nmse, "delta_p": observed, "position": rows, "ref_margin": margin,
         "ref_argmax": reference.argmax()[rows], "eng_argmax": engine.argmax()[rows],
         "full_vocab": np.array(full), "ambiguous": np.array(int(ambiguous.sum())),
     }
@@ -165,7 +170,7 @@ def collect(pairs: Sequence[tuple[TokenLogprobs, TokenLogprobs]]) -> PositionMet
         kl=cat("kl"), agree=ref_argmax == eng_argmax, delta_p=cat("delta_p"), nmse=cat("nmse"),
         sequence=seq, position=cat("position"), ref_argmax=ref_argmax, eng_argmax=eng_argmax,
         full_vocab=all(bool(p["full_vocab"]) for p in parts), sequences=[r.tokens for r, _ in pairs],
-        ambiguous=sum(int(p["ambiguous"]) for p in parts),
+        ambiguous=sum(int(p["ambiguous"]) for p in parts), ref_margin=cat("ref_margin"),
     )
 
 
@@ -226,6 +231,8 @@ def worst_positions(metrics: PositionMetrics, detokenize: Detokenize | None, cou
             "reference_top": _safe(text, [int(metrics.ref_argmax[i])]),
             "engine_top": _safe(text, [int(metrics.eng_argmax[i])]),
         }
+        if metrics.ref_margin is not None:
+            entry["reference_margin"] = float(metrics.ref_margin[i])
         if t + 1 < len(seq):
             entry["observed_next"] = _safe(text, [int(seq[t + 1])])
             entry["delta_p"] = float(metrics.delta_p[i])

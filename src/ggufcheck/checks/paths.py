@@ -21,6 +21,7 @@ class: ``multiple * baseline + floor``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -101,7 +102,9 @@ def first_divergence(m, limit: float, landmarks: dict[str, int] | None = None) -
                 if best is None or pos < best["position"]:
                     before = int(m.position[rows[j - 1]]) if j > 0 else None
                     best = {"sequence": int(s), "position": pos, "first_compared": int(m.position[rows[0]]),
-                            "last_good": before, "wrong_after": float(bad[j:].mean())}
+                            "last_good": before, "wrong_after": float(bad[j:].mean()),
+                            "kl": float(m.kl[rows[j]]), "argmax_agrees": bool(m.agree[rows[j]]),
+                            "reference_margin": None if m.ref_margin is None else float(m.ref_margin[rows[j]])}
                 break
     if best is None:
         return None
@@ -119,6 +122,11 @@ def first_divergence(m, limit: float, landmarks: dict[str, int] | None = None) -
              f"it starts at the first compared position {pos} (sequence {best['sequence']})")
     best["boundary"] = hit
     best["text"] = where + (f", at {hit}" if hit else ", not at a usual block boundary")
+    margin = best["reference_margin"]
+    if margin is not None and math.isfinite(margin):
+        tie = "a near-tie" if margin < 0.1 else "not a near-tie"
+        best["text"] += (f"; there, KL {best['kl']:.3g}, the reference's top-1 leads its top-2 by {margin:.3g} nats "
+                         f"({tie})")
     return best
 
 

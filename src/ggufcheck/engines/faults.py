@@ -110,3 +110,14 @@ class ShiftedPrefill(WrappedEngine):
         present = table.present.copy()
         present[-1] = False  # nothing to shift into the last row
         return TokenLogprobs(table.tokens, table.vocab_size, lp, present=present)
+
+
+class InputIgnored(WrappedEngine):
+    """Every prompt scored as its first token repeated (token ids not reaching the model, or an
+    embedding lookup returning one row): the same distribution at every position."""
+
+    def score(self, tokens, *, top_k: int = 20) -> TokenLogprobs:
+        tokens = [int(t) for t in tokens]
+        table = self.inner.score([tokens[0]] * len(tokens), top_k=top_k)
+        return TokenLogprobs(np.asarray(tokens), table.vocab_size, table.logprobs, table.topk_ids,
+                             table.topk_logprobs, None, table.present)

@@ -86,6 +86,7 @@ class ReferenceConfig:
     n_expert_shared: int = 0
     n_ff_exp: int = 0
     gating: str = "softmax"  # "softmax" | "sigmoid"
+    gating_in_file: bool = True  # False: expert_gating_func absent, ``gating`` is the loader's default
     expert_weights_norm: bool = False
     expert_weights_scale: float = 1.0
     n_group: int = 1  # G
@@ -153,6 +154,7 @@ def config_from_spec(spec: "ArchSpec", tensor_names: Iterable[str]) -> Reference
         moe = spec.moe
         fields.update(n_dense_lead=moe.leading_dense, n_expert=moe.n_expert, n_expert_used=moe.n_used,
                       n_expert_shared=moe.n_shared, n_ff_exp=moe.expert_ff, gating=moe.gating.value,
+                      gating_in_file=not any(n.startswith("expert_gating_func absent") for n in spec.notes),
                       expert_weights_norm=moe.weights_norm, expert_weights_scale=moe.weights_scale,
                       n_group=moe.n_group, n_group_used=moe.n_group_used)
     if spec.indexer is not None:

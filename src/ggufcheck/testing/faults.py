@@ -235,7 +235,7 @@ class FaultyReferenceEngine(ReferenceEngine):
         self.capabilities = Capabilities(
             tokenize=caps.tokenize, score=True, full_vocab=True, max_top_k=caps.max_top_k, generate=True,
             batch=False, chunked_prefill=True, layer_outputs=kinds, weights=expose_weights,
-            tp_size=patch.tp if expose_weights else 1, activation_dtype=dtype,
+            tp_size=patch.tp, activation_dtype=dtype,
             reasons=_reasons(why),
         )
         self._hf = None
@@ -476,6 +476,24 @@ def _build_block_scale(cfg: ReferenceConfig, layer: int | None = None, tensor: s
     return ModelPatch(tensor_hook=hook)
 
 
+def _build_allreduce_doubled(cfg: ReferenceConfig, layer: int | None = None, tp: int = 2, **_: Any) -> ModelPatch:
+    """One layer's attention output times the TP size (its o_proj partial sums all-reduced
+    twice). The o_proj weight carries the factor here; the engine's weight() must not expose
+    it (a doubled all-reduce leaves the loaded weights right), see make_faulty_engine."""
+    target = _last(cfg, layer)
+
+    def patch(c: ReferenceConfig, i: int, w: Weights) -> Weights:
+        if i != target:
+            return w
+        return {**w, "attn_output.weight": w["attn_output.weight"] * tp}
+
+    return ModelPatch(layer_weights=patch, tp=tp)
+
+
+def _build_gating_swapped(cfg: ReferenceConfig, layer: int | None = None, **_: Any) -> ModelPatch:
+    return ModelPatch(config={"gating": "sigmoid" if cfg.gating == "softmax" else "softmax"})
+
+
 def _patch_builders() -> dict[str, Callable[..., ModelPatch]]:
     return {
         "kv-b-all-k-then-v": _build_kv_b_tp, "kv-b-v-before-k": _build_v_then_k,
@@ -484,7 +502,8 @@ def _patch_builders() -> dict[str, Callable[..., ModelPatch]]:
         "rope-pairing-swapped": _build_rope_swapped, "norm-eps-wrong": _build_norm_eps,
         "attention-scale-wrong": _build_attention_scale, "indexer-ignored": _build_indexer_ignored,
         "kv-cache-corrupt-decode": _build_kv_cache, "qk-permutation-missing": _build_qk_perm_missing,
-        "block-scale-corrupted": _build_block_scale,
+        "block-scale-corrupted": _build_block_scale, "allreduce-doubled": _build_allreduce_doubled,
+        "gating-swapped": _build_gating_swapped,
     }
 
 
@@ -493,7 +512,8 @@ _FIRST_LAYER: dict[str, Callable[[ReferenceConfig, int | None], int | None]] = {
     "router-bias-ignored": _first_moe, "routed-scale-twice": _first_moe, "routed-scale-never": _first_moe,
     "rope-pairing-swapped": _zero, "norm-eps-wrong": _last, "attention-scale-wrong": _zero,
     "indexer-ignored": _zero, "kv-cache-corrupt-decode": _none, "flat-output": _none,
-    "qk-permutation-missing": _zero, "block-scale-corrupted": _last,
+    "qk-permutation-missing": _zero, "block-scale-corrupted": _last, "allreduce-doubled": _last,
+    "gating-swapped": _first_moe,
 }
 
 
@@ -539,6 +559,12 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _f("block-scale-corrupted", "weights", ALL_ARCHS, "weights",
        "one 32-element quant block of a loaded weight (default the last layer's attn_output) scaled x1e4 "
        "(`mode='nan'`: NaN)", per_layer=True, layers_component="attention"),
+    _f("allreduce-doubled", "sharding", ALL_ARCHS, "layers",
+       "one layer's attention output all-reduced twice under TP `tp` (default 2): x TP size, weights right",
+       per_layer=True, layers_component="sharding"),
+    _f("gating-swapped", "moe-router", MOE_ARCHS, "layers",
+       "the router's gating function swapped (softmax <-> sigmoid; an absent expert_gating_func read "
+       "another way than the model was trained)", layers_component="moe-router"),
 )}
 
 
@@ -569,6 +595,8 @@ def make_faulty_engine(name: str, model_path: str | Path, *, dtype: str = "fp32"
         raise UsageError(f"fault {name!r} does not apply to architecture {cfg.arch!r} "
                          f"(applies to {', '.join(sorted(fault.archs))})")
     patch = fault.build(cfg, layer=layer, **kw)
+    if name == "allreduce-doubled":
+        expose_weights = False  # the factor is carried by o_proj here; a real one leaves weights right
     return FaultyReferenceEngine(model_path, fault, patch, dtype=dtype, expose_weights=expose_weights)
 
 

@@ -1,0 +1,120 @@
+"""Verdict fidelity: the false-alarm rate on healthy engines and the detection rate on the
+fault catalogue, measured side by side in one run.
+
+Healthy: tiny models of several architectures and seeds (``testing.tiny.build_tiny_gguf``,
+F32 and Q8_0) served by the fp32 reference engine, transformers (``hf``) and llama.cpp on
+this CPU; every ``diagnose`` must say healthy. Faults: every entry of
+``testing.faults.FAULTS`` on every tiny architecture it applies to; the verdict must name the
+fault's component (its weights-stage or layers-stage name) and, for per-layer faults, its
+layer. Sanity is off (random-weight models are flat by nature); everything else runs with
+the defaults of ``ggufcheck diagnose``.
+
+Usage: python benchmarks/fidelity.py [--seeds 3] [--out benchmarks/results/fidelity_cpu.txt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import platform
+import sys
+import tempfile
+import time
+from contextlib import redirect_stderr
+from pathlib import Path
+
+from ggufcheck.diagnose.plan import DiagnoseOptions, diagnose
+from ggufcheck.errors import GGUFCheckError
+from ggufcheck.testing.faults import FAULTS, fault_layer, make_faulty_engine
+from ggufcheck.testing.tiny import build_tiny_gguf
+
+ARCHS = ("llama", "qwen2", "deepseek2", "glm4moe", "glm-dsa")
+ENGINES = ("reference", "hf", "llama-cpp")
+FAULT_KW = {"norm-eps-wrong": {"glm4moe": {"eps": 1e-3}}}  # as the tests: glm4moe hides 1e-5 <-> 1e-6
+
+
+def _diagnose(path: Path, engine) -> object:
+    with redirect_stderr(io.StringIO()):
+        return diagnose(DiagnoseOptions(model=path, sanity=False, kernels=False), engine=engine)
+
+
+def _open(spec: str, path: Path):
+    from ggufcheck.engines.spec import open_engine
+
+    return open_engine(spec, path)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="ggufcheck-fidelity-"))
+    lines: list[str] = []
+
+    def say(line: str = "") -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    t0 = time.time()
+    say(f"# verdict fidelity on {platform.machine()} {platform.processor() or ''}, python {platform.python_version()}")
+    say("## healthy engines (every verdict must be healthy)")
+    healthy: dict[str, list[int]] = {e: [0, 0, 0] for e in ENGINES}  # runs, false alarms, unavailable
+    alarms = []
+    for arch in ARCHS:
+        for qtype in ("F32", "Q8_0"):
+            for seed in range(1, args.seeds + 1):
+                path = build_tiny_gguf(arch, tmp / f"{arch}-{qtype}-{seed}.gguf", qtypes=qtype, seed=seed).path
+                for spec in ENGINES:
+                    try:
+                        engine = _open(spec, path)
+                    except GGUFCheckError as err:
+                        healthy[spec][2] += 1
+                        alarms.append(f"  n/a  {spec:9s} {arch:9s} {qtype:4s} seed {seed}: {err.message[:100]}")
+                        continue
+                    with engine:
+                        d = _diagnose(path, engine)
+                    healthy[spec][0] += 1
+                    if not d.verdict.healthy:
+                        healthy[spec][1] += 1
+                        alarms.append(f"  FALSE ALARM {spec:9s} {arch:9s} {qtype:4s} seed {seed}: "
+                                      f"{d.verdict.component} @ {d.verdict.layer}: {d.verdict.message[:140]}")
+    say("| engine | runs | false alarms | rate | unavailable |")
+    say("|---|---|---|---|---|")
+    for spec, (runs, bad, na) in healthy.items():
+        say(f"| {spec} | {runs} | {bad} | {bad / runs if runs else 0:.1%} | {na} |")
+    for a in alarms:
+        say(a)
+
+    say("")
+    say("## fault catalogue (the verdict must name the fault's component, and its layer when per-layer)")
+    say("| fault | archs | detected | named instead |")
+    say("|---|---|---|---|")
+    total = hits = 0
+    for name, fault in FAULTS.items():
+        got, instead = 0, []
+        archs = [a for a in ARCHS if fault.applies_to(a)]
+        for arch in archs:
+            path = tmp / f"{arch}-F32-1.gguf"
+            kw = dict(FAULT_KW.get(name, {}).get(arch, {}))
+            engine = make_faulty_engine(name, path, **kw)
+            with engine:
+                d = _diagnose(path, engine)
+            want = {fault.component, fault.layers_component} - {None}
+            layer_ok = not fault.per_layer or d.verdict.layer == fault_layer(name, path)
+            if d.verdict.component in want and layer_ok:
+                got += 1
+            else:
+                instead.append(f"{arch}: {d.verdict.component or 'healthy'} @ {d.verdict.layer}")
+        total += len(archs)
+        hits += got
+        say(f"| {name} | {len(archs)} | {got}/{len(archs)} | {'; '.join(instead) or '-'} |")
+    say(f"| **all** | | **{hits}/{total} ({hits / total:.0%})** | |")
+    say(f"\n{time.time() - t0:.0f} s in all")
+    if args.out:
+        args.out.write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
