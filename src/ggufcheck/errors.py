@@ -19,6 +19,7 @@ class ExitStatus(enum.IntEnum):
     USAGE = 2  # bad arguments or an unreadable / malformed input file
     ENGINE_UNREACHABLE = 3  # the engine under test did not answer usably
     INTERNAL = 4  # a defect in ggufcheck itself (the message asks for a report)
+    UNVERIFIED = 5  # nothing failed, but nothing compared the deployment with a reference
 
 
 class GGUFCheckError(Exception):

@@ -108,3 +108,32 @@ def test_no_engine_is_a_usage_error_and_bad_engines_fail_before_the_file_stage(t
     assert main(["diagnose", str(tiny_llama), "--engine", "llama-cpp:n_ctx=abc"]) == 2
     assert main(["diagnose", str(tiny_llama), "--engine", "bogus"]) == 2
     assert main(["diagnose", str(tiny_llama), "--engine", "http://127.0.0.1:9", "--timeout", "0.5"]) == 3
+
+
+def test_an_architecture_without_a_reference_is_not_verified_exit_5(gemma3_path, capsys):
+    """Gemma 3 through llama.cpp: the file passes, but nothing compared the deployment with a
+    reference (ggufcheck has no gemma3): the old verdict "healthy: 237 checks passed" is now
+    "not verified", exit 5, with the reason."""
+    assert main(["diagnose", str(gemma3_path), "--engine", "llama-cpp", "--no-health"]) == 5
+    out = capsys.readouterr().out
+    assert "verdict: not verified" in out and "healthy" not in out.split("verdict: not verified")[1]
+    assert "gemma3" in out
+
+
+def test_unverified_is_decided_only_when_engine_stages_ran_and_none_judged():
+    from ggufcheck.diagnose.verdict import decide
+    from ggufcheck.results import StageReport, passed, skipped
+
+    def stage(name, *results):
+        s = StageReport(name)
+        s.add(list(results))
+        return s
+
+    file_only = [stage("file", passed("f", "gguf-file", "ok"))]
+    assert decide(file_only).healthy  # `inspect`-like runs judge the file alone
+    no_reference = file_only + [stage("layers", skipped("layers", "output", "no reference for gemma3")),
+                                stage("paths", passed("paths.determinism", "sampling", "same"))]
+    v = decide(no_reference)
+    assert not v.healthy and v.unverified and not v.inconclusive and "no reference for gemma3" in v.message
+    judged = no_reference + [stage("logits", passed("logits.kl_mean", "output", "ok"))]
+    assert decide(judged).healthy

@@ -11,9 +11,11 @@ def stage(name, *results):
     return s
 
 
-def test_healthy_when_nothing_fails():
-    v = decide([stage("file", passed("a", "gguf-file", "ok")), stage("logits", skipped("b", "output", "no engine"))])
+def test_healthy_when_nothing_fails_and_the_deployment_was_judged():
+    v = decide([stage("file", passed("a", "gguf-file", "ok")), stage("logits", passed("b", "output", "ok"))])
     assert v.healthy and v.component is None
+    v = decide([stage("file", passed("a", "gguf-file", "ok")), stage("logits", skipped("b", "output", "no engine"))])
+    assert not v.healthy and v.unverified and "no engine" in v.message  # skipped is not healthy
 
 
 def test_first_stage_with_a_failure_decides():

@@ -23,6 +23,7 @@ import numpy as np
 from ggufcheck.checks.logits import (
     ALLOWANCES,
     INDEXER_TIE_MARGINS,
+    ROUTER_TIE_MARGINS,
     Baseline,
     LogitTolerance,
     baseline_from,
@@ -97,6 +98,8 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
         say(f"scoring {len(seqs)} prompts on {reference.name}")
         if hasattr(reference, "tie_margin"):  # DSA top-k near-ties the engine's class may flip
             reference.tie_margin = INDEXER_TIE_MARGINS.get(engine.capabilities.activation_dtype, 0.0)
+        if hasattr(reference, "router_margin"):  # MoE routing near-ties the engine's class may flip
+            reference.router_margin = ROUTER_TIE_MARGINS.get(engine.capabilities.activation_dtype, 0.0)
         ref_tables = [reference.score(s) for s in seqs]
         found = detect_offset(ref_tables, tables)
         if found is not None:
@@ -152,7 +155,7 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
         logits_stage.info["per_position"] = per_position(metrics, ref_tables, tables)
         if generations:
             say(f"scoring {len(generations)} greedy continuations on {reference.name} (decode vs reference)")
-            decode_pairs = [(reference.score(g.sequence), g.steps) for g in generations]
+            decode_pairs = [(_ambiguous_onwards(reference.score(g.sequence), g), g.steps) for g in generations]
             decode_metrics = collect(decode_pairs)
             checks = judge(decode_metrics, baseline, options.tolerance, component="decode")
             decode = checks[0]
@@ -191,6 +194,21 @@ def _score_what_the_engine_takes(engine: Engine, seqs: list[list[int]], top_k: i
                                     f"prompt {i} ({len(seq)} tokens) left out: {err} (shorten it with "
                                     "--max-tokens, or give the engine a longer context)"))
     return kept, tables, declined
+
+
+def _ambiguous_onwards(table: TokenLogprobs, generation) -> TokenLogprobs:
+    """Decode: once the reference marks a generated row ambiguous (a routing / indexer near-tie
+    the engine may resolve the other way), every later step reads that choice through the KV
+    cache, so those rows are left out too."""
+    if table.ambiguous is None or not table.ambiguous.any():
+        return table
+    amb = table.ambiguous.copy()
+    start = len(generation.prompt) - 1
+    hits = np.flatnonzero(amb[start:])
+    if len(hits):
+        amb[start + hits[0]:] = True
+    return TokenLogprobs(table.tokens, table.vocab_size, table.logprobs, table.topk_ids, table.topk_logprobs,
+                         table.next_logprob, table.present, amb)
 
 
 def _which_path(prefill: Result, decode: Result) -> Result:

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ggufcheck.checks.logits import INDEXER_TIE_MARGINS
+from ggufcheck.checks.logits import INDEXER_TIE_MARGINS, ROUTER_TIE_MARGINS
 from ggufcheck.checks.rope import rope_result
 from ggufcheck.engines.base import Unsupported
 from ggufcheck.results import Result, StageReport, failed, passed, skipped
@@ -83,7 +83,7 @@ class LayerOptions:
     router_min_jaccard: float = 0.95  # mean expert-set Jaccard over untied positions
     router_tie_margin: float = 1e-5  # selection scores closer than this are a tie (fp32 / fp64 engines)
     # the same for engines whose rounding moves the selection scores (O(1) sigmoid values) more
-    router_tie_margins: dict[str, float] = field(default_factory=lambda: {"fp16": 1e-2, "bf16": 3e-2, "q8": 3e-2})
+    router_tie_margins: dict[str, float] = field(default_factory=lambda: dict(ROUTER_TIE_MARGINS))
     indexer_min_overlap: float = 0.95  # mean top-k set overlap over untied positions
     scale_fit_tolerance: float = 1e-3  # |alpha - 1| below this is no scale error
     max_replays: int = 3  # layers replayed after the first diverging one when it localizes nothing
@@ -135,19 +135,17 @@ def _limit(baseline: float, opts: LayerOptions, allowance: float) -> float:
 
 # ------------------------------------------------------------------------------- replay
 def _ffn_parts(cfg, w: dict[str, Tensor], after_attn: Tensor, layer: int):
-    """The FFN / MoE block on ``after_attn`` [T, D]: (out, routed, shared, ids, select)."""
+    """The FFN / MoE block on ``after_attn`` [T, D]: (out, routed, shared, ids, routing gap [T])."""
     from ggufcheck.reference.layers import linear, moe, rms_norm, swiglu
 
     norm = w["ffn_norm.weight"] if "ffn_norm.weight" in w else w["post_attention_norm.weight"]
     x = rms_norm(after_attn, norm, cfg.rms_eps)
     if not cfg.is_moe_layer(layer):
         return swiglu(x, w["ffn_gate.weight"], w["ffn_up.weight"], w["ffn_down.weight"]), None, None, None, None
-    from ggufcheck.reference.layers import route
+    from ggufcheck.reference.layers import route, router_gap
 
     ids, weights = route(x, w["ffn_gate_inp.weight"], w.get("exp_probs_b.bias"), cfg)
-    logits = linear(x, w["ffn_gate_inp.weight"])  # [T, E]: the selection scores, for tie margins
-    probs = torch.softmax(logits, dim=-1) if cfg.gating == "softmax" else torch.sigmoid(logits)
-    select = probs + w["exp_probs_b.bias"] if "exp_probs_b.bias" in w else probs
+    gap = router_gap(x, w["ffn_gate_inp.weight"], w.get("exp_probs_b.bias"), cfg, ids)  # [T]: for tie margins
     if "ffn_gate_up_exps.weight" in w:
         gate_up = w["ffn_gate_up_exps.weight"]  # [E, 2F, D]
         gate, up = gate_up[:, : cfg.n_ff_exp], gate_up[:, cfg.n_ff_exp:]
@@ -158,14 +156,12 @@ def _ffn_parts(cfg, w: dict[str, Tensor], after_attn: Tensor, layer: int):
     if "ffn_gate_shexp.weight" in w:
         shared = swiglu(x, w["ffn_gate_shexp.weight"], w["ffn_up_shexp.weight"], w["ffn_down_shexp.weight"])
     out = routed if shared is None else routed + shared
-    return out, routed, shared, ids, select
+    return out, routed, shared, ids, gap
 
 
-def _router_ties(select: Tensor, ids: Tensor, margin: float) -> Tensor:
-    """[T] bool: the weakest chosen expert and the best unchosen one score within ``margin``."""
-    chosen = select.gather(1, ids).min(dim=-1).values  # [T]
-    rest = select.scatter(1, ids, float("-inf")).max(dim=-1).values  # [T]
-    return (chosen - rest).abs() < margin
+def _router_ties(gap: Tensor, margin: float) -> Tensor:
+    """[T] bool: the routing is within ``margin`` of choosing another expert or group."""
+    return gap < margin
 
 
 class _Replayer:
@@ -202,7 +198,7 @@ class _Replayer:
 
 def _hypotheses_attention(cfg) -> list[tuple[str, str, dict | None, Callable | None]]:
     """(component, what changed, config changes, weight transform) for the attention block."""
-    from ggufcheck.testing import faults
+    from ggufcheck.sharding import faults
 
     out: list[tuple[str, str, dict | None, Callable | None]] = [
         ("rope", f"rope pairing {'NEOX' if cfg.rope_mode == 'norm' else 'NORM'} instead of "
@@ -219,9 +215,9 @@ def _hypotheses_attention(cfg) -> list[tuple[str, str, dict | None, Callable | N
         for tp in (2, 4, 8):
             if cfg.n_head % tp == 0:
                 out.append(("mla-kv-b", f"kv_b as [all K; all V] with a patched split under TP {tp}", None,
-                            faults._kv_b_patch(faults.KV_B_ALL_K_THEN_V, tp)))
+                            faults.kv_b_layout_patch(faults.KV_B_ALL_K_THEN_V, tp)))
         out.append(("mla-kv-b", "kv_b with V rows before K rows inside each head", None,
-                    faults._kv_b_patch(faults.KV_B_V_THEN_K, 1)))
+                    faults.kv_b_layout_patch(faults.KV_B_V_THEN_K, 1)))
     if cfg.has_indexer:
         out.append(("indexer", "dense causal attention instead of the DSA top-k (indexer ignored)",
                     {"indexer_heads": 0}, None))
@@ -288,7 +284,7 @@ def run_layers_stage(engine, reference, tokens_list: Sequence[Sequence[int]], ba
     report.add(_ranks_agree([eng for eng, _r, _b in runs], opts))
     per_layer = []
     errors: list[_Err] = []
-    masks = [_tie_masks(ref_trace, n_layer, margin) for _e, ref_trace, _b in runs]
+    masks = [_tie_masks(ref_trace, n_layer, margin, router_margin) for _e, ref_trace, _b in runs]
     for i in range(n_layer):
         err, base = _Err(), _Err()
         excluded = 0
@@ -453,7 +449,7 @@ def replay_errors(engine, reference, tokens_list: Sequence[Sequence[int]], optio
         with torch.no_grad():
             runs.append((eng, reference.prefill(s, trace=True), None))
     rows = []
-    masks = [_tie_masks(trace, reference.cfg.n_layer, margin) for _e, trace, _b in runs]
+    masks = [_tie_masks(trace, reference.cfg.n_layer, margin, router_margin) for _e, trace, _b in runs]
     for i in range(reference.cfg.n_layer):
         residual = 0.0
         for n, (eng, trace, _b) in enumerate(runs):
@@ -492,19 +488,27 @@ def _layer_outputs_that_fit(engine, tokens: list[int], kinds: list[str]):
             tokens = tokens[: len(tokens) // 2]
 
 
-def _tie_masks(ref_trace, n_layer: int, margin: float = 0.0) -> list[Tensor | None]:
+def _tie_masks(ref_trace, n_layer: int, margin: float = 0.0, router_margin: float | None = None) -> list[Tensor | None]:
     """Per layer, [T] bool: positions whose residual can be compared (None: all).
 
     Where the reference's DSA top-k boundary at (layer j, position t) is a tie, or within
     ``margin`` of one (the engine class's rounding, :data:`checks.logits.INDEXER_TIE_MARGINS`),
     a correct engine may pick the other set, so position t is not compared from layer j on,
-    and the later positions that read its keys (t' > t) not from layer j + 1 on.
+    and the later positions that read its keys (t' > t) not from layer j + 1 on. A token whose
+    MoE routing is within ``router_margin`` of choosing another expert or group (a correct
+    engine may route it the other way) is not compared from layer j on; one token's expert
+    reaches the others only through attention, so later positions stay compared.
     """
     masks: list[Tensor | None] = []
     bad: Tensor | None = None  # positions excluded from this layer on
     spread: Tensor | None = None  # positions excluded from the next layer on
     for i in range(n_layer):
-        ties = near_ties(ref_trace.layers[i], margin)
+        layer = ref_trace.layers[i]
+        ties = near_ties(layer, margin)
+        gap = getattr(layer, "router_gap", None)
+        if router_margin is not None and gap is not None:  # the token itself, from this layer on
+            flips = gap.cpu() < router_margin
+            bad = flips if bad is None else bad | flips
         if spread is not None:
             bad = spread if bad is None else bad | spread
         if ties is not None and bool(ties.any()):
@@ -596,10 +600,10 @@ def _localize(i: int, runs, reference, baseline_reference, kinds: set[str], opts
                 b = base_rep.attention(h_in, shared)
                 attn_base.update(rel_errors(b.attn_out, out.attn_out), b.attn_out, out.attn_out, n, keep_a)
             after = h64 + a_eng
-            f_ref, routed, shexp, ids, select = rep.ffn(after)
+            f_ref, routed, shexp, ids, gap = rep.ffn(after)
             keep_f = None
             if ids is not None:
-                keep_f = ~_router_ties(select, ids, opts.router_tie_margin if router_margin is None else router_margin)
+                keep_f = ~_router_ties(gap, opts.router_tie_margin if router_margin is None else router_margin)
                 eng_ids = eng.tensors.get(("router", i))
                 if eng_ids is not None:
                     eng_ids = torch.as_tensor(np.asarray(eng_ids)).to(torch.int64)

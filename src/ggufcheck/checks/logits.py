@@ -69,6 +69,10 @@ ALLOWANCES: dict[str, Baseline] = {
 # where a flipped set also moves later positions (which are not left out), need 3e-2 for both
 # (fp16 NMSE 3.5e-3 at 0, 1.8e-3 at 1e-2 on short prompts but 4.9e-3 on 60-token ones, 2.7e-5 at 3e-2).
 INDEXER_TIE_MARGINS: dict[str, float] = {"fp64": 0.0, "fp32": 0.0, "fp16": 3e-2, "bf16": 3e-2, "q8": 3e-2}
+# MoE routing: rows whose reference routing (weakest chosen vs best unchosen expert or group
+# score, reference.layers.router_gap) is this close in any layer are ambiguous for an engine
+# of that class (the layers stage's LayerOptions.router_tie_margins, the same numbers)
+ROUTER_TIE_MARGINS: dict[str, float] = {"fp64": 1e-5, "fp32": 1e-5, "fp16": 5e-3, "bf16": 1e-2, "q8": 1e-2}
 
 
 @dataclass(frozen=True)
@@ -256,7 +260,7 @@ def judge(metrics: PositionMetrics, baseline: Baseline, tolerance: LogitToleranc
     kl = distribution(metrics.kl)
     method = "full vocabulary" if metrics.full_vocab else "top-k + tail bucket (a lower bound on the full KL)"
     if metrics.ambiguous:
-        method += f"; {metrics.ambiguous} position(s) with an indexer top-k tie left out"
+        method += f"; {metrics.ambiguous} position(s) with an indexer top-k or MoE routing near-tie left out"
     worst = {"positions": worst_positions(metrics, detokenize)}
     base_note = f"baseline ({baseline.source})"
     results: list[Result] = []

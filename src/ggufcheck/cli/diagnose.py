@@ -69,7 +69,10 @@ def options_from(args: argparse.Namespace) -> DiagnoseOptions:
 
 
 def exit_status(diagnosis: Diagnosis) -> int:
-    return int(ExitStatus.HEALTHY if diagnosis.verdict.healthy else ExitStatus.FINDINGS)
+    verdict = diagnosis.verdict
+    if verdict.healthy:
+        return int(ExitStatus.HEALTHY)
+    return int(ExitStatus.UNVERIFIED if verdict.unverified else ExitStatus.FINDINGS)
 
 
 def write_reports(diagnosis: Diagnosis, json_path: Path | None, html_path: Path | None, console: Console) -> None:

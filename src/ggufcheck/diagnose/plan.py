@@ -112,14 +112,26 @@ class _Context:
             from ggufcheck.engines.reference import ReferenceEngine
 
             self.say("loading the fp64 reference")
-            self._reference = ReferenceEngine(self.options.model, dtype="fp64")
+            self._reference = ReferenceEngine(self.options.model, dtype="fp64", **self.semantics())
         return self._reference
+
+    def semantics(self) -> dict:
+        """The engine's documented semantics the reference adopts (Capabilities.reference_options)."""
+        engine = self._engine if self._engine is not None else (self.engine() if self.options.engine else None)
+        return dict(getattr(engine.capabilities, "reference_options", {}) or {}) if engine is not None else {}
 
     def baseline(self):
         if self._baseline is None and self.options.baseline != "none":
             from ggufcheck.engines.spec import open_engine
 
-            self._baseline = open_engine(self.options.baseline, self.options.model)
+            spec = self.options.baseline
+            if self.semantics() and spec.split(":")[0] == "reference":
+                from ggufcheck.engines.reference import ReferenceEngine
+
+                dtype = spec.split(":", 1)[1] if ":" in spec else "fp32"
+                self._baseline = ReferenceEngine(self.options.model, dtype=dtype, **self.semantics())
+            else:
+                self._baseline = open_engine(spec, self.options.model)
         return self._baseline
 
     def tokens(self) -> list[list[int]]:

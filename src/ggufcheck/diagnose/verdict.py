@@ -29,16 +29,20 @@ class Verdict:
     evidence: dict[str, Any] = field(default_factory=dict)
     next_steps: str = ""
     errors: list[str] = field(default_factory=list)
+    # nothing failed, but no stage compared the deployment with a reference (layers, logits):
+    # never "healthy"; ``message`` says what ran and why the rest could not
+    unverified: bool = False
 
     @property
     def inconclusive(self) -> bool:
-        return not self.healthy and self.component is None
+        return not self.healthy and self.component is None and not self.unverified
 
     def to_json(self) -> dict[str, Any]:
         return _jsonable({
             "healthy": self.healthy, "component": self.component, "layer": self.layer,
             "stage": self.stage, "check": self.check, "message": self.message,
             "evidence": self.evidence, "next_steps": self.next_steps, "errors": self.errors,
+            "unverified": self.unverified,
         })
 
 
@@ -74,4 +78,26 @@ def decide(stages: Iterable[StageReport]) -> Verdict:
         return Verdict(False, None, None, None, None,
                        f"inconclusive: {len(errors)} check(s) could not run", errors=errors)
     ran = sum(1 for s in stages for r in s.results if r.status == Status.PASS)
+    engine_stages = [s for s in stages if s.stage in ENGINE_STAGES]
+    judged = [s for s in stages if s.stage in JUDGING_STAGES and any(r.status == Status.PASS for r in s.results)]
+    if engine_stages and not judged:
+        why = "; ".join(f"{s.stage}: {_skip_reason(s)}" for s in stages if s.stage in JUDGING_STAGES)
+        checked = ", ".join(f"{s.stage} {sum(r.status == Status.PASS for r in s.results)}" for s in stages
+                            if any(r.status == Status.PASS for r in s.results))
+        return Verdict(False, None, None, None, None,
+                       f"not verified: nothing failed ({ran} checks passed: {checked or 'none'}), but no stage "
+                       f"compared the deployment with a reference ({why or 'the layers and logits stages did not run'})",
+                       next_steps="give the engine's architecture a reference (see docs/verdicts.md) or check "
+                                  "what the skipped stages need", unverified=True)
     return Verdict(True, None, None, None, None, f"healthy: {ran} checks passed, none failed")
+
+
+# stages that talk to the engine, and those of them that compare its output with a reference:
+# with engine stages present, "healthy" needs at least one judging stage that passed checks
+ENGINE_STAGES = ("weights", "layers", "sanity", "logits", "paths")
+JUDGING_STAGES = ("layers", "logits")
+
+
+def _skip_reason(stage: StageReport) -> str:
+    skips = [r.message for r in stage.results if r.status == Status.SKIP]
+    return skips[0] if skips else "no checks ran"

@@ -70,6 +70,11 @@ class Capabilities:
     # layout, one parameter per expert) or "transformers" (transformers' module names, e.g.
     # fused experts). The weights stage asks in this layout.
     weight_layout: str = "checkpoint"
+    # Documented semantics of this engine that differ from the file's literal reading and are
+    # not faults (e.g. transformers' DeepSeek-V3 / GLM-DSA hard-code eps 1e-6 in the MLA
+    # q_a / kv_a norms): ReferenceModel options the diagnosis builds its reference with, and
+    # says so in the report. Empty: the reference reads the file as llama.cpp does.
+    reference_options: Mapping[str, Any] = field(default_factory=dict)
     tp_size: int = 1
     # Numerical class of the engine's activations, used to pick the honest baseline:
     # "fp64", "fp32", "bf16", "fp16", or "q8" (llama.cpp CPU quantizes activations to
@@ -261,7 +266,7 @@ class Engine(abc.ABC):
     def describe(self) -> dict[str, Any]:
         """A short JSON-able description for reports."""
         caps = self.capabilities
-        return {
+        out = {
             "name": self.name,
             "vocab_size": self.vocab_size,
             "full_vocab": caps.full_vocab,
@@ -270,6 +275,9 @@ class Engine(abc.ABC):
             "capabilities": [k for k in ("tokenize", "score", "generate", "batch", "chunked_prefill", "weights")
                              if getattr(caps, k)] + sorted(caps.layer_outputs),
         }
+        if caps.reference_options:  # the reference was built with the engine's documented semantics
+            out["reference_adopts"] = dict(caps.reference_options)
+        return out
 
     def close(self) -> None:
         """Release resources. Safe to call twice."""

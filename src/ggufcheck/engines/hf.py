@@ -13,7 +13,7 @@ sigmoid router only) and glm-dsa (glm_moe_dsa); anything else raises Unsupported
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -91,7 +91,8 @@ class HFEngine(GGUFVocabTokenizer, Engine):
     Inputs go to the module's device; every result comes back to the CPU as numpy.
     """
 
-    def __init__(self, module: Any, *, dtype: str = "fp32", name: str = "hf", tokenizer: Any = None):
+    def __init__(self, module: Any, *, dtype: str = "fp32", name: str = "hf", tokenizer: Any = None,
+                 reference_options: Mapping[str, Any] | None = None):
         import torch
 
         self._torch = torch
@@ -104,6 +105,7 @@ class HFEngine(GGUFVocabTokenizer, Engine):
             tokenize=tokenizer is not None, score=True, full_vocab=True, max_top_k=self.vocab_size, generate=True,
             batch=True, chunked_prefill=False, layer_outputs=frozenset({"residual", "attention", "ffn"}),
             weights=True, activation_dtype=dtype, weight_layout="transformers",
+            reference_options=dict(reference_options or {}),
             reasons=reasons(tokenize="no tokenizer was given for this transformers model",
                             chunked_prefill="not wired for transformers models"),
         )
@@ -149,8 +151,11 @@ class HFEngine(GGUFVocabTokenizer, Engine):
             except Exception:  # noqa: BLE001
                 tokenizer = None
         where = "" if device == "cpu" else f" on {device}"
+        # transformers' DeepseekV3 / GlmMoeDsa build the MLA q_a / kv_a RMSNorms with eps 1e-6
+        # whatever the config says (llama.cpp and vLLM use the file's rms eps): its semantics
+        semantics = {"lora_norm_eps": 1e-6} if spec.mla is not None else {}
         return cls(module, dtype=dtype, name=f"hf {spec.arch} {dtype}{where} ({Path(model_path).name})",
-                   tokenizer=tokenizer)
+                   tokenizer=tokenizer, reference_options=semantics)
 
     def _logprobs(self, batch: list[list[int]]) -> list[np.ndarray]:
         torch = self._torch

@@ -29,6 +29,7 @@ class ReferenceEngine(GGUFVocabTokenizer, Engine):
         self.model = ReferenceModel(model_path, dtype=dtype, device=device, **options)
         self.dtype = dtype
         self.tie_margin = 0.0  # DSA: rows whose top-k boundary gap is within this are ambiguous (score)
+        self.router_margin = 0.0  # MoE: rows whose routing gap is below this in any layer are ambiguous
         self.vocab_size = int(self.model.gguf.tensors["token_embd.weight"].shape[0])
         self.name = f"reference {dtype} ({Path(model_path).name})"
         self._tokenizer = None
@@ -59,10 +60,12 @@ class ReferenceEngine(GGUFVocabTokenizer, Engine):
         """Prefill log-probs; with a DSA indexer, rows where any layer's top-k has a boundary tie
         are marked ambiguous (an engine may legitimately choose the other key there); with
         ``tie_margin`` > 0 also rows where a boundary is that close to a tie (the compared
-        engine's class, checks.logits.INDEXER_TIE_MARGINS)."""
+        engine's class, checks.logits.INDEXER_TIE_MARGINS); with ``router_margin`` > 0, MoE
+        rows whose routing gap is below it in any layer (checks.logits.ROUTER_TIE_MARGINS)."""
         tokens = [int(t) for t in tokens]
+        routed = self.model.cfg.n_expert > 0 and self.router_margin > 0
         with self._torch.no_grad():
-            if not self.model.cfg.has_indexer:
+            if not self.model.cfg.has_indexer and not routed:
                 return self._table(tokens, self.model.prefill(tokens, trace=False))  # [T, V]
             trace = self.model.prefill(tokens, trace=True)
         ties = np.zeros(len(tokens), dtype=bool)
@@ -71,6 +74,8 @@ class ReferenceEngine(GGUFVocabTokenizer, Engine):
                 ties |= layer.topk_gap.cpu().numpy() <= self.tie_margin
             elif layer.topk_ties is not None:
                 ties |= layer.topk_ties.cpu().numpy().astype(bool)
+            if routed and layer.router_gap is not None:
+                ties |= layer.router_gap.cpu().numpy() < self.router_margin
         return TokenLogprobs(tokens, self.vocab_size, trace.logprobs.to(self._torch.float64).cpu().numpy(),
                              ambiguous=ties)
 

@@ -60,3 +60,6 @@ class LayerOutput:
     topk_full: bool = False  # True when this layer ran its own indexer (False: shared)
     topk_ties: Tensor | None = None  # [T] bool: the top-k boundary was a tie (set ambiguous)
     topk_gap: Tensor | None = None  # [T] float64: relative k-th / (k+1)-th score gap (dsa.boundary_gap)
+    # [T] MoE: the weakest chosen expert's selection score minus the best unchosen one's (a
+    # small gap: an engine's rounding may legitimately choose the other expert)
+    router_gap: Tensor | None = None

@@ -148,6 +148,30 @@ def route(x: Tensor, gate_inp: Tensor, bias: Tensor | None, cfg: ReferenceConfig
     return ids, weights * cfg.expert_weights_scale
 
 
+def router_gap(x: Tensor, gate_inp: Tensor, bias: Tensor | None, cfg: ReferenceConfig, ids: Tensor) -> Tensor:
+    """[T] the weakest chosen expert's selection score minus the best unchosen eligible one's
+    (the routing's margin: ``route``'s scores, group-masked experts are not eligible)."""
+    logits = linear(x, gate_inp)
+    probs = torch.softmax(logits, dim=-1) if cfg.gating == "softmax" else torch.sigmoid(logits)
+    select = probs + bias if bias is not None else probs
+    group_gap = None
+    if cfg.n_group > 1 and cfg.n_group_used < cfg.n_group:
+        n_tok = select.shape[0]
+        grouped = select.view(n_tok, cfg.n_group, cfg.n_expert // cfg.n_group)
+        score = grouped.topk(2, dim=-1).values.sum(-1)  # [T, G]
+        keep = score.topk(cfg.n_group_used, dim=-1).indices
+        group_ok = torch.zeros(n_tok, cfg.n_group, dtype=torch.bool, device=select.device).scatter(1, keep, True)
+        # the weakest kept group against the best dropped one: a tie there flips a whole group
+        group_gap = score.gather(1, keep).min(-1).values - score.masked_fill(group_ok, float("-inf")).max(-1).values
+        select = select.masked_fill(~group_ok[:, :, None].expand_as(grouped).reshape(n_tok, -1), float("-inf"))
+    chosen = select.gather(1, ids).min(dim=-1).values
+    rest = select.scatter(1, ids, float("-inf")).max(dim=-1).values
+    gap = chosen - rest
+    if group_gap is not None:
+        gap = torch.minimum(gap, group_gap)
+    return gap.to(torch.float64)
+
+
 def moe(x: Tensor, ids: Tensor, weights: Tensor, gate_exps: Tensor, up_exps: Tensor, down_exps: Tensor) -> Tensor:
     """sum_k w_k * expert_{ids_k}(x): an explicit loop over the experts that were chosen.
 

@@ -56,12 +56,13 @@ class LayerTrace:
     topk_ties: Tensor | None = None  # [T] bool: k-th and (k+1)-th indexer scores equal
     topk_full: bool = False  # the layer ran its own indexer
     topk_gap: Tensor | None = None  # [T] relative k-th / (k+1)-th score gap (reference.dsa.boundary_gap)
+    router_gap: Tensor | None = None  # [T] MoE routing margin (reference.layers.router_gap)
 
     @classmethod
     def from_output(cls, out: "LayerOutput") -> "LayerTrace":
         return cls(out.after_attn, out.hidden, out.attn_out, out.ffn_out, out.expert_ids,
                    out.expert_weights, out.topk, out.topk_ties, out.topk_full,
-                   out.topk_gap)
+                   out.topk_gap, out.router_gap)
 
 
 @dataclass

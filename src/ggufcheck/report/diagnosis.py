@@ -61,6 +61,10 @@ def render_verdict(console: Console, verdict: Any, elapsed_s: float | None = Non
     if verdict.healthy:
         title, style = "verdict: healthy", "green"
         body = escape(verdict.message)
+    elif getattr(verdict, "unverified", False):
+        title, style = "verdict: not verified", "yellow"
+        body = escape(verdict.message) + (f"\n[bold]look next at:[/] {escape(verdict.next_steps)}"
+                                          if verdict.next_steps else "")
     elif verdict.component is None:
         title, style = "verdict: inconclusive", "magenta"
         body = escape(verdict.message) + "".join(f"\n  - {escape(e)}" for e in verdict.errors[:5])

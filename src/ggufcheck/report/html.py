@@ -150,7 +150,7 @@ def render_html(title: str, stages: list[StageReport], verdict: Any | None = Non
         head = "healthy" if verdict.healthy else (
             f"first failing component: <code>{_esc(verdict.component)}</code>"
             + (f" at layer {verdict.layer}" if verdict.layer is not None else "")
-            if verdict.component else "inconclusive")
+            if verdict.component else ("not verified" if getattr(verdict, "unverified", False) else "inconclusive"))
         body.append(f'<div class="verdict {cls}"><b>Verdict:</b> {head}<br>{_esc(verdict.message)}'
                     + (f"<br><b>Next:</b> {_esc(verdict.next_steps)}" if verdict.next_steps else "")
                     + "</div>")

@@ -64,7 +64,13 @@ from ggufcheck.reference.cache import KVCache, LayerCache, LayerOutput
 from ggufcheck.reference.config import ReferenceConfig
 from ggufcheck.reference.model import ReferenceModel
 from ggufcheck.reference.weights import WeightStore
-from ggufcheck.sharding.faults import KV_B_ALL_K_THEN_V
+from ggufcheck.sharding.faults import (  # noqa: F401 - re-exported: the layouts the faults use
+    KV_B_ALL_K_THEN_V,
+    KV_B_V_THEN_K,
+    effective_k_b_v_b,
+    kv_b_layout_patch,
+    rebuild_v_then_k,
+)
 from ggufcheck.sharding.mla import KvBLayout, rank_uk_uv, split_uk_uv
 
 Weights = dict[str, Tensor]
@@ -72,35 +78,6 @@ MLA_ARCHS = frozenset({"deepseek2", "glm-dsa"})
 MOE_ARCHS = frozenset({"deepseek2", "glm-dsa", "glm4moe"})
 ALL_ARCHS = frozenset({"llama", "qwen2", "qwen3", "glm4moe", "deepseek2", "glm-dsa"})
 COMMON_EPS = (1e-5, 1e-6)  # the RMS eps values real configs use; a wrong one is usually the other
-
-
-# ----------------------------------------------------------------------------- kv_b layouts
-def rebuild_v_then_k(k_b: Tensor, v_b: Tensor) -> Tensor:
-    """k_b [H, L, P], v_b [H, V, L] -> [H*(V+P), L] with V rows BEFORE K rows inside each head."""
-    n_head, lora, nope = k_b.shape
-    kv = torch.cat([v_b, k_b.transpose(1, 2)], dim=1)  # [H, V+P, L]
-    return kv.reshape(n_head * (nope + v_b.shape[1]), lora)
-
-
-KV_B_V_THEN_K = KvBLayout("[V_h; K_h] per head read as [K_h; V_h] (fault)", rebuild_v_then_k, split_uk_uv)
-
-
-def effective_k_b_v_b(k_b: Tensor, v_b: Tensor, tp: int, layout: KvBLayout) -> tuple[Tensor, Tensor]:
-    """The per-head (k_b [H, L, P], v_b [H, V, L]) a TP ``tp`` loader using ``layout`` computes with.
-
-    Rank r's W_UK [L, Hl, P] / W_UV [L, Hl, V] (:func:`ggufcheck.sharding.mla.rank_uk_uv`)
-    serve global heads r*Hl .. (r+1)*Hl-1: W_UK[:, h] is that head's k_b, W_UV[:, h].T its
-    v_b. For the correct layout this returns (k_b, v_b) exactly, at any TP.
-    """
-    n_head = k_b.shape[0]
-    if n_head % tp:
-        raise UsageError(f"{n_head} MLA heads do not divide over TP {tp}")
-    ks, vs = [], []
-    for rank in range(tp):
-        uk, uv = rank_uk_uv(k_b, v_b, rank, tp, layout)  # [L, Hl, P], [L, Hl, V]
-        ks.append(uk.permute(1, 0, 2))  # [Hl, L, P]
-        vs.append(uv.permute(1, 2, 0))  # [Hl, V, L]
-    return torch.cat(ks).contiguous(), torch.cat(vs).contiguous()
 
 
 # ----------------------------------------------------------------------------- the patch
@@ -344,25 +321,12 @@ def _none(cfg: ReferenceConfig, layer: int | None) -> None:
     return None
 
 
-def _kv_b_patch(layout: KvBLayout, tp: int) -> Callable[[ReferenceConfig, int, Weights], Weights]:
-    def patch(cfg: ReferenceConfig, i: int, w: Weights) -> Weights:
-        from ggufcheck.reference.mla import kv_b_split
-
-        k_b, v_b = kv_b_split(cfg, w)
-        k_eff, v_eff = effective_k_b_v_b(k_b, v_b, tp, layout)
-        w = dict(w, **{"attn_k_b.weight": k_eff, "attn_v_b.weight": v_eff})
-        w.pop("attn_kv_b.weight", None)
-        return w
-
-    return patch
-
-
 def _build_kv_b_tp(cfg: ReferenceConfig, layer: int | None = None, tp: int = 2, **_: Any) -> ModelPatch:
-    return ModelPatch(layer_weights=_kv_b_patch(KV_B_ALL_K_THEN_V, tp), tp=tp)
+    return ModelPatch(layer_weights=kv_b_layout_patch(KV_B_ALL_K_THEN_V, tp), tp=tp)
 
 
 def _build_v_then_k(cfg: ReferenceConfig, layer: int | None = None, **_: Any) -> ModelPatch:
-    return ModelPatch(layer_weights=_kv_b_patch(KV_B_V_THEN_K, 1))
+    return ModelPatch(layer_weights=kv_b_layout_patch(KV_B_V_THEN_K, 1))
 
 
 def _expert_names(w: Weights) -> list[str]:
