@@ -35,7 +35,7 @@ from ggufcheck.checks.alignment import Realigned, detect_offset, input_ignored, 
 from ggufcheck.checks.paths import first_divergence, landmarks, PathOptions, run_paths
 from ggufcheck.checks.sanity import SanityLimits, run_sanity
 from ggufcheck.engines.base import Engine, TokenLogprobs, Unsupported
-from ggufcheck.results import Result, StageReport, failed, passed, skipped
+from ggufcheck.results import Result, StageReport, Status, failed, passed, skipped
 
 Progress = Callable[[str], None]
 
@@ -94,13 +94,23 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
     # served prompt log-probs at the wrong rows (an API dialect) are named first, then every
     # check judges the realigned rows
     ref_tables, alignment = None, None
+    scored: dict[tuple[int, ...], TokenLogprobs] = {}
+
+    def reference_score(seq) -> TokenLogprobs:  # each sequence scored once on the reference
+        key = tuple(int(t) for t in seq)
+        if key not in scored:
+            scored[key] = reference.score(list(key))
+        return scored[key]
+
     if reference is not None:
         say(f"scoring {len(seqs)} prompts on {reference.name}")
         if hasattr(reference, "tie_margin"):  # DSA top-k near-ties the engine's class may flip
             reference.tie_margin = INDEXER_TIE_MARGINS.get(engine.capabilities.activation_dtype, 0.0)
         if hasattr(reference, "router_margin"):  # MoE routing near-ties the engine's class may flip
             reference.router_margin = ROUTER_TIE_MARGINS.get(engine.capabilities.activation_dtype, 0.0)
-        ref_tables = [reference.score(s) for s in seqs]
+        if hasattr(reference, "exact_ties_onward"):
+            reference.exact_ties_onward = True
+        ref_tables = [reference_score(s) for s in seqs]
         found = detect_offset(ref_tables, tables)
         if found is not None:
             alignment, offset = found
@@ -155,7 +165,7 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
         logits_stage.info["per_position"] = per_position(metrics, ref_tables, tables)
         if generations:
             say(f"scoring {len(generations)} greedy continuations on {reference.name} (decode vs reference)")
-            decode_pairs = [(_ambiguous_onwards(reference.score(g.sequence), g), g.steps) for g in generations]
+            decode_pairs = [(_ambiguous_onwards(reference_score(g.sequence), g), g.steps) for g in generations]
             decode_metrics = collect(decode_pairs)
             checks = judge(decode_metrics, baseline, options.tolerance, component="decode")
             decode = checks[0]
@@ -214,6 +224,9 @@ def _ambiguous_onwards(table: TokenLogprobs, generation) -> TokenLogprobs:
 def _which_path(prefill: Result, decode: Result) -> Result:
     """Name the broken path when prefill and decode disagree with the reference differently."""
     check = "logits.path_blame"
+    if Status.SKIP in (prefill.status, decode.status):
+        return skipped(check, "output", "prefill and decode were not both judged against the reference (every "
+                                        "row of one was left out as ambiguous, or it did not run)")
     if prefill.failed == decode.failed:
         state = "both fail" if prefill.failed else "both agree with the reference"
         return passed(check, "output", f"teacher-forced prefill and step-by-step decode: {state}") if not prefill.failed \

@@ -31,7 +31,9 @@
    When every block of the first diverging layer replays within its baseline (the layer
    itself is right and only amplifies an earlier near-limit error), the next layers are
    examined the same way (up to :attr:`LayerOptions.max_replays`); if none localizes, the
-   result is "output" at the first diverging layer.
+   residual divergence is accumulated drift (a PASS saying so) unless the engine's own
+   tensors show a layer's output is not its input plus its blocks (a broken residual
+   connection: "output").
 
 Shapes: residuals, attention and FFN outputs [T, D]; router ids [T, K]; top-k [T, k].
 """
@@ -365,10 +367,15 @@ def run_layers_stage(engine, reference, tokens_list: Sequence[Sequence[int]], ba
                               f"{identity:.3g}): the residual connection is broken", layer=first,
                               stats=dict(_stats(row), identity=identity), worst=errors[first].worst()))
         else:
-            report.add(failed("layers.residual", "output",
-                              f"layer {first}: residual error {row['error']:.3g} > limit {row['limit']:.3g} "
-                              f"(baseline {row['baseline']:.3g}), but no block of layers {first}..{last} fails on "
-                              f"replay: not localized", layer=first, stats=_stats(row), worst=errors[first].worst()))
+            # the engine exposes at most one of attention / FFN: the other is derived from the
+            # residual stream, so the replays cover each whole layer on the engine's own input
+            # and they all agree: accumulated drift (e.g. tokens routed to another expert at a
+            # near-tie reaching later tokens through attention), not a faulty layer
+            report.add(passed("layers.residual", "output",
+                              f"layer {first}: residual error {row['error']:.3g} > stated limit {row['limit']:.3g}, "
+                              f"but each of layers {first}..{last}, replayed whole on the engine's own input, "
+                              f"agrees with the reference: accumulated drift of the {caps.activation_dtype} class, "
+                              f"not a faulty layer", layer=first, stats=dict(_stats(row), drift=True)))
     report.info["first_diverging_layer"] = first
     report.info["localized_layer"] = found
     return report

@@ -74,7 +74,7 @@ def _pair_verdict(check: str, component: str, what: str, pairs: Sequence[tuple[T
     msg = (f"{what}: mean KL {kl['mean']:.3g} (limit {limit:.3g}), max {kl['max']:.3g} "
            f"(limit {max_limit:.3g}), argmax {agree}/{m.n} agree, over {m.n} positions")
     if not ok:
-        first = first_divergence(m, max_limit, landmarks)
+        first = first_divergence(m, max_limit, landmarks, who="the first path's")
         if first is not None:
             stats["first_divergence"] = first
             msg += "; " + first["text"]
@@ -87,7 +87,7 @@ def landmarks(options) -> dict[str, int]:
     return {"the DSA indexer's top_k": top_k} if top_k else {}
 
 
-def first_divergence(m, limit: float, landmarks: dict[str, int] | None = None) -> dict | None:
+def first_divergence(m, limit: float, landmarks: dict[str, int] | None = None, who: str = "the reference's") -> dict | None:
     """Where a divergence starts: the first position whose KL exceeds ``limit`` and from which on
     at least half of the positions do (an isolated near-tie is not an onset), over the
     sequence where it starts earliest; with the boundary it sits on, if any."""
@@ -125,7 +125,7 @@ def first_divergence(m, limit: float, landmarks: dict[str, int] | None = None) -
     margin = best["reference_margin"]
     if margin is not None and math.isfinite(margin):
         tie = "a near-tie" if margin < 0.1 else "not a near-tie"
-        best["text"] += (f"; there, KL {best['kl']:.3g}, the reference's top-1 leads its top-2 by {margin:.3g} nats "
+        best["text"] += (f"; there, KL {best['kl']:.3g}, {who} top-1 leads its top-2 by {margin:.3g} nats "
                          f"({tie})")
     return best
 

@@ -30,6 +30,10 @@ class ReferenceEngine(GGUFVocabTokenizer, Engine):
         self.dtype = dtype
         self.tie_margin = 0.0  # DSA: rows whose top-k boundary gap is within this are ambiguous (score)
         self.router_margin = 0.0  # MoE: rows whose routing gap is below this in any layer are ambiguous
+        # as the judging reference: after an EXACT top-k tie at position t (the reference itself
+        # is undetermined, e.g. ReLU'd indexer scores equal at 0) every later row reads t's keys
+        # through attention, so those rows are ambiguous too
+        self.exact_ties_onward = False
         self.vocab_size = int(self.model.gguf.tensors["token_embd.weight"].shape[0])
         self.name = f"reference {dtype} ({Path(model_path).name})"
         self._tokenizer = None
@@ -76,6 +80,11 @@ class ReferenceEngine(GGUFVocabTokenizer, Engine):
                 ties |= layer.topk_ties.cpu().numpy().astype(bool)
             if routed and layer.router_gap is not None:
                 ties |= layer.router_gap.cpu().numpy() < self.router_margin
+            if self.exact_ties_onward:
+                exact = (layer.topk_gap.cpu().numpy() <= 0.0 if layer.topk_gap is not None else
+                         layer.topk_ties.cpu().numpy().astype(bool) if layer.topk_ties is not None else None)
+                if exact is not None and exact.any():
+                    ties[int(np.flatnonzero(exact)[0]):] = True
         return TokenLogprobs(tokens, self.vocab_size, trace.logprobs.to(self._torch.float64).cpu().numpy(),
                              ambiguous=ties)
 
