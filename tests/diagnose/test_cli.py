@@ -137,3 +137,18 @@ def test_unverified_is_decided_only_when_engine_stages_ran_and_none_judged():
     assert not v.healthy and v.unverified and not v.inconclusive and "no reference for gemma3" in v.message
     judged = no_reference + [stage("logits", passed("logits.kl_mean", "output", "ok"))]
     assert decide(judged).healthy
+
+
+def test_progress_says_which_stage_and_which_prompt_and_is_off_with_quiet(tiny_llama, capsys):
+    from ggufcheck.diagnose.plan import DiagnoseOptions, diagnose
+
+    said = []
+    diagnose(DiagnoseOptions(model=tiny_llama, engine="reference:fp32", max_prompts=2, max_tokens=20, sanity=False,
+                             decode_to=0), progress=said.append)
+    assert said[0].startswith("opening engine") and said[1] == "stage 1/6: environment" and "stage 5/6: layers" in said
+    layers = said.index("stage 5/6: layers")
+    assert said[layers + 1:layers + 3] == ["loading the fp64 reference", "comparing every layer with the reference"]
+    assert [m.split(" (")[0] for m in said[layers + 3:layers + 5]] == ["layers: prompt 1/2", "layers: prompt 2/2"]
+    assert main(["diagnose", str(tiny_llama), "--engine", "reference:fp32", "--no-sanity", "--max-prompts", "1",
+                 "--max-tokens", "12", "--decode-to", "0", "-q"]) == 0
+    assert "stage" not in capsys.readouterr().err

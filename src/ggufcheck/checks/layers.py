@@ -245,7 +245,7 @@ def _hypotheses_ffn(cfg, moe_layer: bool) -> list[tuple[str, str, dict | None, C
 
 # ------------------------------------------------------------------------------- the stage
 def run_layers_stage(engine, reference, tokens_list: Sequence[Sequence[int]], baseline_reference=None,
-                     options: LayerOptions | None = None) -> StageReport:
+                     options: LayerOptions | None = None, progress: Callable[[str], None] | None = None) -> StageReport:
     """Bisect the layers of ``engine`` against ``reference`` (a fp64 ReferenceModel).
 
     ``baseline_reference`` (a fp32 ReferenceModel of the same file) gives the per-layer
@@ -273,7 +273,9 @@ def run_layers_stage(engine, reference, tokens_list: Sequence[Sequence[int]], ba
 
     runs = []  # per sequence: (engine trace, reference trace, baseline trace or None)
     shortened = []
+    say = progress or (lambda _m: None)
     for n, s in enumerate(seqs):
+        say(f"layers: prompt {n + 1}/{len(seqs)} ({len(s)} tokens) on the engine and the reference")
         s, eng = _layer_outputs_that_fit(engine, s, want_kinds)
         if len(s) < len(seqs[n]):
             shortened.append({"prompt": n, "tokens": len(seqs[n]), "used": len(s)})
@@ -328,6 +330,7 @@ def run_layers_stage(engine, reference, tokens_list: Sequence[Sequence[int]], ba
                           layer=row["layer"], stats=_stats(row)))
     found = None
     for i in range(first, min(n_layer, first + 1 + opts.max_replays)):
+        say(f"layers: replaying layer {i}/{n_layer - 1} on the engine's own input")
         results, named = _localize(i, runs, reference, baseline_reference, kinds, opts, allowance, margin,
                                    router_margin, tp=engine.capabilities.tp_size)
         if named:

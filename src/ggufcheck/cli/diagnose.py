@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -47,6 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", type=Path, help="write every stage, check and the verdict to this JSON file")
     p.add_argument("--html", type=Path, help="write a self-contained HTML report with plots")
     p.add_argument("-v", "--verbose", action="store_true", help="list every check of every stage")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress line while running")
 
 
 def options_from(args: argparse.Namespace) -> DiagnoseOptions:
@@ -95,8 +97,14 @@ def run(args: argparse.Namespace) -> int:
     if not options.model.is_file():
         raise UsageError(f"{options.model}: no such file")
     console = Console()
-    with console.status("diagnosing") as status:
-        diagnosis = diagnose(options, progress=lambda msg: status.update(msg))
+    if args.quiet:
+        diagnosis = diagnose(options)
+    else:
+        started = time.perf_counter()
+        # on stderr, so a piped report stays clean (rich shows nothing there when it is not a terminal)
+        with Console(stderr=True).status("diagnosing") as status:
+            diagnosis = diagnose(options, progress=lambda msg: status.update(
+                f"{msg} [dim]({time.perf_counter() - started:.0f} s)[/]"))
     render_diagnosis(console, diagnosis, verbose=args.verbose)
     write_reports(diagnosis, args.json, args.html, console)
     return exit_status(diagnosis)

@@ -224,9 +224,9 @@ def _layers(ctx: _Context) -> list[StageReport]:
         return [report]
     from ggufcheck.checks.layers import run_layers_stage
 
+    reference, baseline = ctx.reference().model, _baseline_model(ctx)  # loaded first: the label follows the work
     ctx.say("comparing every layer with the reference")
-    return [run_layers_stage(engine, ctx.reference().model, ctx.tokens(),
-                             baseline_reference=_baseline_model(ctx))]
+    return [run_layers_stage(engine, reference, ctx.tokens(), baseline_reference=baseline, progress=ctx.say)]
 
 
 def _baseline_model(ctx: _Context):
@@ -313,7 +313,8 @@ def diagnose(options: DiagnoseOptions, progress: Progress | None = None, engine:
                 ctx.engine()
             except Unavailable:
                 pass  # the stages that need it record why (SKIP "unavailable: ...")
-        for stage in PLAN:
+        for number, stage in enumerate(PLAN, 1):
+            say(f"stage {number}/{len(PLAN)}: {stage.name}")
             reason = stage.when(ctx)
             if reason is not None:
                 report = StageReport(stage.name, info={"eliminates": stage.eliminates})
