@@ -62,3 +62,17 @@ def test_renders_in_headless_chromium(tmp_path):
                           page_path.as_uri()], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert shot.stat().st_size > 10_000  # a real rendering, not a blank page
+
+
+def test_the_page_leads_with_the_answer_and_collapses_passing_rows():
+    """Verdict, then the stage ladder, then the failing checks with their evidence, then plots,
+    then details where passing rows are collapsed."""
+    stages = sample_stages()
+    stages[0].info["eliminates"] = "each layer's computation"
+    stages[0].results[0].worst = {"sequence": 1, "position": 7}
+    page = render_html("diagnose tiny.gguf", stages, decide(stages))
+    order = [page.index(k) for k in ("Verdict:", "Stages, in dependency order", "Failing checks, with their evidence",
+                                     "<h2>Plots", "<h2>Details")]
+    assert order == sorted(order)
+    assert "worst: sequence 1, position 7" in page and "each layer&#x27;s computation" in page
+    assert "<details><summary>1 passing check(s)</summary>" in page

@@ -25,7 +25,8 @@ SERIES = ["#0969da", "#cf222e", "#1a7f37", "#8250df"]
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2rem;color:#1f2328;max-width:1100px}
-h1{font-size:1.6rem} h2{font-size:1.2rem;margin-top:2rem;border-bottom:1px solid #d0d7de}
+h1{font-size:1.6rem} h2{font-size:1.2rem;margin-top:2rem;border-bottom:1px solid #d0d7de} h3{font-size:1rem}
+details{margin:.3rem 0} summary{cursor:pointer;color:#656d76}
 .verdict{padding:1rem;border-radius:6px;border:2px solid} .bad{border-color:#cf222e;background:#ffebe9}
 .good{border-color:#1a7f37;background:#dafbe1} .unk{border-color:#8250df;background:#fbefff}
 table{border-collapse:collapse;width:100%;font-size:.85rem} td,th{border:1px solid #d0d7de;padding:3px 6px;text-align:left;vertical-align:top}
@@ -141,6 +142,47 @@ def _plots(stages: Iterable[StageReport]) -> list[str]:
     return out
 
 
+def _ladder(stages: list[StageReport]) -> str:
+    """The stage overview: what each stage eliminates and its pass / fail / skip / error counts."""
+    rows = []
+    for stage in stages:
+        counts = [sum(r.status == st for r in stage.results) for st in (Status.PASS, Status.FAIL, Status.SKIP,
+                                                                         Status.ERROR)]
+        skip = next((r.message for r in stage.results if r.status == Status.SKIP), "") if counts[0] == 0 else ""
+        rows.append(f'<tr><td>{_esc(stage.stage)}</td><td class="status" style="color:{COLORS[stage.status.value]}">'
+                    f"{stage.status.value}</td><td>{_esc(stage.info.get('eliminates', ''))}"
+                    + (f'<br><span class="muted">{_esc(skip)}</span>' if skip else "")
+                    + f"</td><td>{'/'.join(str(c) for c in counts)}</td></tr>")
+    return ("<h2>Stages, in dependency order</h2><table><tr><th>stage</th><th>status</th><th>eliminates</th>"
+            "<th>pass/fail/skip/error</th></tr>" + "".join(rows) + "</table>")
+
+
+def _rows(results, evidence: bool = False) -> str:
+    rows = []
+    for stage, r in results:
+        where = " ".join(x for x in (r.tensor or "", f"layer {r.layer}" if r.layer is not None else "") if x)
+        extra = ""
+        if evidence and (r.worst or r.stats):
+            from ggufcheck.report.diagnosis import plain
+
+            parts = []
+            if r.worst:
+                parts.append(f"worst: {plain(r.worst)}")
+            if r.stats:
+                parts.append(", ".join(f"{k} {_short(v)}" for k, v in r.stats.items()
+                                       if isinstance(v, (int, float, str, bool)) and not isinstance(v, bool)))
+            extra = f'<br><span class="muted">{_esc("; ".join(p for p in parts if p))}</span>'
+        rows.append(f'<tr><td class="status" style="color:{COLORS[r.status.value]}">{r.status.value}</td>'
+                    f"<td>{_esc(stage)}</td><td>{_esc(r.check)}</td><td>{_esc(r.component)}</td><td>{_esc(where)}</td>"
+                    f"<td>{_esc(r.message)}{extra}</td></tr>")
+    return ("<table><tr><th>status</th><th>stage</th><th>check</th><th>component</th><th>where</th>"
+            "<th>message</th></tr>" + "".join(rows) + "</table>")
+
+
+def _short(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
 def render_html(title: str, stages: list[StageReport], verdict: Any | None = None,
                 summary: dict[str, Any] | None = None) -> str:
     body = [f"<h1>{_esc(title)}</h1>",
@@ -154,24 +196,27 @@ def render_html(title: str, stages: list[StageReport], verdict: Any | None = Non
         body.append(f'<div class="verdict {cls}"><b>Verdict:</b> {head}<br>{_esc(verdict.message)}'
                     + (f"<br><b>Next:</b> {_esc(verdict.next_steps)}" if verdict.next_steps else "")
                     + "</div>")
+    body.append(_ladder(stages))
+    failing = [(stage.stage, r) for stage in stages for r in stage.results if r.failed]
+    if failing:
+        body.append("<h2>Failing checks, with their evidence</h2>" + _rows(failing, evidence=True))
+    plots = _plots(stages)
+    if plots:
+        body.append("<h2>Plots</h2>" + "".join(plots))
     if summary:
         rows = "".join(f"<tr><th>{_esc(k)}</th><td>{_esc(v)}</td></tr>" for k, v in summary.items()
                        if not isinstance(v, (dict, list)))
         body.append(f"<h2>Model</h2><table>{rows}</table>")
-    plots = _plots(stages)
-    if plots:
-        body.append("<h2>Plots</h2>" + "".join(plots))
+    body.append("<h2>Details</h2>")
     for stage in stages:
-        body.append(f'<h2>Stage: {_esc(stage.stage)} <span style="color:{COLORS[stage.status.value]}">'
-                    f"{stage.status.value}</span></h2>")
-        rows = []
-        for r in stage.results:
-            where = " ".join(x for x in (r.tensor or "", f"layer {r.layer}" if r.layer is not None else "") if x)
-            rows.append(f'<tr><td class="status" style="color:{COLORS[r.status.value]}">{r.status.value}</td>'
-                        f"<td>{_esc(r.check)}</td><td>{_esc(r.component)}</td><td>{_esc(where)}</td>"
-                        f"<td>{_esc(r.message)}</td></tr>")
-        body.append("<table><tr><th>status</th><th>check</th><th>component</th><th>where</th><th>message</th></tr>"
-                    + "".join(rows) + "</table>")
+        shown = [(stage.stage, r) for r in stage.results if r.status != Status.PASS]
+        passing = [(stage.stage, r) for r in stage.results if r.status == Status.PASS]
+        body.append(f'<h3>Stage: {_esc(stage.stage)} <span style="color:{COLORS[stage.status.value]}">'
+                    f"{stage.status.value}</span></h3>")
+        if shown:
+            body.append(_rows(shown))
+        if passing:  # collapsed, as the terminal does
+            body.append(f"<details><summary>{len(passing)} passing check(s)</summary>{_rows(passing)}</details>")
     return ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{_esc(title)}</title><style>{CSS}</style></head><body>"
             + "\n".join(body) + "</body></html>\n")
