@@ -369,3 +369,27 @@ def test_an_absent_gating_key_read_the_other_way_is_named_with_both_readings(tin
     assert verdict.component == "moe-router", verdict.message
     assert "sigmoid router gating instead of softmax (the file has no expert_gating_func" in verdict.message
     engine.close()
+
+
+def test_an_engine_that_silently_skips_dsa_is_named_from_its_output_alone(models):
+    """Served output only (no layers): an engine computing dense attention where the model is
+    sparse agrees with the reference run with the indexer off, and is named in those words."""
+    from ggufcheck.checks.compare import CompareOptions, run_compare
+    from ggufcheck.engines.reference import ReferenceEngine
+
+    m = models("glm-dsa")
+    reference = ReferenceEngine(m.path, dtype="fp64")
+    engine = make_faulty_engine("indexer-ignored", m.path)
+    prompts = _prompts(4, (24, 20))  # longer than the tiny model's top_k = 8
+    stages = run_compare(engine, prompts, reference=reference,
+                         options=CompareOptions(max_new_tokens=4, decode_prompts=1, run_sanity=False, chunk_sizes=(),
+                                                long_decode_to=0))
+    healthy = run_compare(ReferenceEngine(m.path, dtype="fp32"), prompts, reference=reference,
+                          options=CompareOptions(max_new_tokens=4, decode_prompts=1, run_sanity=False, chunk_sizes=(),
+                                                 long_decode_to=0))
+    verdict = decide(stages)
+    assert (verdict.check, verdict.component) == ("logits.dsa_ran", "indexer"), verdict.message
+    assert "silently skipped sparse attention" in verdict.message
+    assert not [r for st in healthy for r in st.results if r.check == "logits.dsa_ran"]
+    engine.close()
+    reference.close()

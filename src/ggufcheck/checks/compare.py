@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import math
+
 import numpy as np
 
 from ggufcheck.checks.logits import (
@@ -157,6 +159,10 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
         prefill_checks = judge(metrics, baseline, options.tolerance, detokenize=_detokenizer(engine, reference))
         logits_stage.add(prefill_checks)
         prefill = prefill_checks[0]
+        if prefill.failed:
+            skipped_dsa = _dense_fits_better(reference, seqs, tables, prefill, say)
+            if skipped_dsa is not None:
+                logits_stage.add(skipped_dsa)
         if prefill.failed and len(prefill_checks) > 1:
             first = first_divergence(metrics, prefill_checks[1].stats["limit"], landmarks(options))
             if first is not None:
@@ -204,6 +210,35 @@ def _score_what_the_engine_takes(engine: Engine, seqs: list[list[int]], top_k: i
                                     f"prompt {i} ({len(seq)} tokens) left out: {err} (shorten it with "
                                     "--max-tokens, or give the engine a longer context)"))
     return kept, tables, declined
+
+
+def _dense_fits_better(reference, seqs, tables, prefill: Result, say) -> Result | None:
+    """DSA models: did the sparse path actually run? An engine whose output agrees with the
+    reference run with the indexer switched off (dense causal attention) within the limit,
+    while it disagrees with the sparse reference, has silently skipped sparse attention."""
+    model = getattr(reference, "model", None)
+    cfg = getattr(model, "cfg", None)
+    if cfg is None or not getattr(cfg, "has_indexer", False):
+        return None
+    from ggufcheck.engines.reference import ReferenceEngine
+
+    say("scoring the prompts on the reference with the DSA indexer off (did sparse attention run?)")
+    dense = ReferenceEngine(model.path, dtype="fp64", indexer_heads=0, lora_norm_eps=cfg.lora_norm_eps)
+    try:
+        dense_tables = [dense.score(s) for s in seqs]
+    finally:
+        dense.close()
+    fit = collect(list(zip(dense_tables, _fit_vocab(tables, dense.vocab_size))))
+    kl_dense = float(np.nanmean(fit.kl)) if fit.n else math.inf
+    limit = prefill.stats["limit"]
+    kl_sparse = prefill.stats["kl"]["mean"]
+    if kl_dense > limit:
+        return None
+    return failed("logits.dsa_ran", "indexer",
+                  f"the engine's prompt log-probs agree with the reference run with the DSA indexer switched off "
+                  f"(dense attention: mean KL {kl_dense:.3g}, within the limit {limit:.3g}) and not with the sparse "
+                  f"reference (mean KL {kl_sparse:.3g}): the engine silently skipped sparse attention (DSA)",
+                  stats={"kl_dense": kl_dense, "kl_sparse": kl_sparse, "limit": limit, "positions": fit.n})
 
 
 def _ambiguous_onwards(table: TokenLogprobs, generation) -> TokenLogprobs:
