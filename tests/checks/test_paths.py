@@ -135,3 +135,29 @@ def test_an_isolated_spike_is_not_an_onset_and_the_indexer_top_k_is_a_landmark()
     first = first_divergence(m, 0.1, {"the DSA indexer's top_k": 40})
     assert first["position"] == 40 and first["boundary"] == "the DSA indexer's top_k 40"
     assert first_divergence(m, 2.0) is None
+
+
+def test_a_prefill_fault_past_the_prompts_is_found_on_the_long_sequence_and_its_boundary_named():
+    """Prefill rows wrong from position 128 on (a KV page boundary in the prompt path): the
+    built-in prompts (<= 96 tokens) never reach it; the long decode's sequence, teacher-forced,
+    does, and the onset is named as the 128-token boundary."""
+    import tempfile
+    from pathlib import Path
+
+    from ggufcheck.diagnose.plan import DiagnoseOptions, diagnose
+    from ggufcheck.engines.reference import ReferenceEngine
+    from ggufcheck.testing.tiny import build_tiny_gguf
+
+    class PrefillWrongFrom(WrappedEngine):
+        def corrupt(self, table):
+            lp = table.logprobs.copy()
+            lp[128:] = log_softmax(lp[128:] + np.random.default_rng(0).normal(0, 1.0, lp[128:].shape))
+            return TokenLogprobs(table.tokens, table.vocab_size, lp, present=table.present)
+
+    path = build_tiny_gguf("llama", Path(tempfile.mkdtemp()) / "p.gguf", qtypes="F32", seed=1).path
+    d = diagnose(DiagnoseOptions(model=path, sanity=False, kernels=False, health=False),
+                 engine=PrefillWrongFrom(ReferenceEngine(path, dtype="fp32")))
+    logits = next(s for s in d.stages if s.stage == "logits")
+    kl = next(r for r in logits.results if r.check == "logits.kl_mean")
+    assert kl.failed and kl.stats["first_divergence"]["position"] == 128, kl.message
+    assert "cache block / page boundary (128 tokens)" in kl.message

@@ -155,7 +155,17 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
             measured = baseline_from(collect(list(zip(ref_tables, base_tables))),
                                      f"measured {_short(baseline_engine)} vs {_short(reference)}")
         baseline = combined_baseline(measured, engine.capabilities.activation_dtype)
-        metrics = collect(list(zip(ref_tables, _fit_vocab(tables, reference.vocab_size))))
+        judged_refs, judged_tables = list(ref_tables), list(tables)
+        longest = max(len(q) for q in seqs)
+        for g in generations[:1]:  # the long decode's sequence, teacher-forced: prefill positions past the prompts
+            if len(g.generated) > options.max_new_tokens and len(g.sequence) > longest:
+                try:
+                    long_table = engine.score(list(g.sequence), top_k=options.top_k)
+                except Unsupported:
+                    continue
+                judged_refs.append(reference_score(g.sequence))
+                judged_tables.append(long_table)
+        metrics = collect(list(zip(judged_refs, _fit_vocab(judged_tables, reference.vocab_size))))
         prefill_checks = judge(metrics, baseline, options.tolerance, detokenize=_detokenizer(engine, reference))
         logits_stage.add(prefill_checks)
         prefill = prefill_checks[0]
@@ -168,7 +178,7 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
             if first is not None:
                 prefill.stats["first_divergence"] = first
                 prefill.message += "; " + first["text"]
-        logits_stage.info["per_position"] = per_position(metrics, ref_tables, tables)
+        logits_stage.info["per_position"] = per_position(metrics, judged_refs, judged_tables)
         if generations:
             say(f"scoring {len(generations)} greedy continuations on {reference.name} (decode vs reference)")
             decode_pairs = [(_ambiguous_onwards(reference_score(g.sequence), g), g.steps) for g in generations]
