@@ -76,3 +76,10 @@ def test_the_page_leads_with_the_answer_and_collapses_passing_rows():
     assert order == sorted(order)
     assert "worst: sequence 1, position 7" in page and "each layer&#x27;s computation" in page
     assert "<details><summary>1 passing check(s)</summary>" in page
+
+
+def test_kl_plots_show_the_limit_and_log_axes_say_so():
+    stages = sample_stages()
+    stages[1].info["per_position"]["kl_limit"] = 1e-3
+    page = render_html("diagnose tiny.gguf", stages, decide(stages))
+    assert "limit (99th percentile)" in page and "(log scale)" in page

@@ -179,6 +179,9 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
                 prefill.stats["first_divergence"] = first
                 prefill.message += "; " + first["text"]
         logits_stage.info["per_position"] = per_position(metrics, judged_refs, judged_tables)
+        if len(prefill_checks) > 1:  # the per-position limit, drawn on the KL plots
+            for entry in logits_stage.info["per_position"]:
+                entry["kl_limit"] = prefill_checks[1].stats["limit"]
         if generations:
             say(f"scoring {len(generations)} greedy continuations on {reference.name} (decode vs reference)")
             decode_pairs = [(_ambiguous_onwards(reference_score(g.sequence), g), g.steps) for g in generations]

@@ -49,7 +49,9 @@ def line_chart(
     width: int = 720,
     height: int = 260,
 ) -> str:
-    """A small SVG line chart; None / non-finite points are gaps."""
+    """A small SVG line chart; None / non-finite points are gaps; a log axis says so in the title."""
+    if log_y:
+        title += " (log scale)"
     pad_l, pad_r, pad_t, pad_b = 60, 15, 30, 35
     points = [v for _, ys in series for v in ys if v is not None and math.isfinite(v) and (v > 0 or not log_y)]
     n = max((len(ys) for _, ys in series), default=0)
@@ -127,8 +129,11 @@ def _plots(stages: Iterable[StageReport]) -> list[str]:
             for run in runs:
                 name = f" ({run['prompt']})" if run.get("prompt") else ""
                 if run.get("kl"):
-                    out.append(line_chart(f"KL(reference || engine) per position{name}",
-                                          [("KL", run["kl"])], log_y=True, x_label="position"))
+                    series = [("KL", run["kl"])]
+                    if run.get("kl_limit"):
+                        series.append(("limit (99th percentile)", [run["kl_limit"]] * len(run["kl"])))
+                    out.append(line_chart(f"KL(reference || engine) per position{name}", series, log_y=True,
+                                          x_label="position"))
                 if run.get("argmax_agree"):
                     out.append(line_chart(f"argmax agreement per position{name}",
                                           [("agree (1) / differ (0)",
