@@ -53,8 +53,13 @@ def run(args: argparse.Namespace) -> int:
         # expert FF 64: its TP-2 row split (32) starts on a Q8_0 block, so the plan is clean
         model = build_tiny_gguf("glm-dsa", workdir / "tiny-glm-dsa.gguf", qtypes="Q8_0", seed=0,
                                 n_ff_exp=64).path
-        console.print(f"built a tiny glm-dsa model (MLA + DSA indexer + MoE, Q8_0): {model}")
-        options = DiagnoseOptions(model=model, tp=TP, max_prompts=2, max_tokens=24, new_tokens=4, sanity=False)
+        where = str(model) if args.keep else "a temporary file (--keep DIR keeps it)"
+        console.print(f"built a tiny GLM-5-style model (MLA + DSA indexer + 8-expert MoE, Q8_0) in {where}")
+        console.print(f"the faulty engine rebuilds MLA's kv_b_proj as [all K; all V] and patches its split to match: "
+                      f"exact on one GPU, but at tensor-parallel size {TP} each rank computes attention with the "
+                      f"wrong rows (the real bug in the brief). The diagnosis must find that without being told.")
+        options = DiagnoseOptions(model=model, tp=TP, max_prompts=2, max_tokens=24, new_tokens=4, sanity=False,
+                                  decode_to=0)
         runs = [
             ("healthy engine: reference fp32", lambda: ReferenceEngine(model, dtype="fp32")),
             (f"faulty engine: {FAULT} at TP {TP}", lambda: make_faulty_engine(FAULT, model, tp=TP)),
@@ -78,4 +83,6 @@ def run(args: argparse.Namespace) -> int:
                   + f"  ({time.perf_counter() - started:.0f} s)")
     if not ok:
         console.print("[bold red]the diagnosis did not name the expected components[/]")
+    console.print("next, on your own model: [bold]ggufcheck diagnose MODEL.gguf --engine llama-cpp[/] "
+                  "(or --engine vllm:tp=2 / http://HOST:PORT/v1; see docs/engines.md)")
     return int(ExitStatus.HEALTHY if ok else ExitStatus.FINDINGS)
