@@ -83,3 +83,10 @@ def test_kl_plots_show_the_limit_and_log_axes_say_so():
     stages[1].info["per_position"]["kl_limit"] = 1e-3
     page = render_html("diagnose tiny.gguf", stages, decide(stages))
     assert "limit (99th percentile)" in page and "(log scale)" in page
+
+
+def test_position_axes_carry_token_text():
+    stages = sample_stages()
+    stages[1].info["per_position"]["tokens"] = ["The", " capital", " of", "<b>"]
+    page = render_html("diagnose tiny.gguf", stages, decide(stages))
+    assert "1: capital" in page and "3:&lt;b&gt;" in page and "position: token" in page

@@ -178,7 +178,8 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
             if first is not None:
                 prefill.stats["first_divergence"] = first
                 prefill.message += "; " + first["text"]
-        logits_stage.info["per_position"] = per_position(metrics, judged_refs, judged_tables)
+        logits_stage.info["per_position"] = per_position(metrics, judged_refs, judged_tables,
+                                                         _detokenizer(engine, reference))
         if len(prefill_checks) > 1:  # the per-position limit, drawn on the KL plots
             for entry in logits_stage.info["per_position"]:
                 entry["kl_limit"] = prefill_checks[1].stats["limit"]
@@ -291,9 +292,11 @@ def _which_path(prefill: Result, decode: Result) -> Result:
 MAX_PLOTTED_SEQUENCES = 4
 
 
-def per_position(metrics, ref_tables: Sequence[TokenLogprobs], tables: Sequence[TokenLogprobs]) -> list[dict]:
+def per_position(metrics, ref_tables: Sequence[TokenLogprobs], tables: Sequence[TokenLogprobs],
+                 detokenize: Callable[[Sequence[int]], str] | None = None) -> list[dict]:
     """Per-position series for the HTML plots: KL, argmax agreement and entropies (nats),
-    one dict per sequence (the first few), NaN-free lists with None where a row was not compared."""
+    one dict per sequence (the first few), NaN-free lists with None where a row was not compared;
+    with ``detokenize``, each position's token text for the axis."""
     out = []
     for seq in range(min(len(tables), MAX_PLOTTED_SEQUENCES)):
         n = len(tables[seq])
@@ -303,9 +306,19 @@ def per_position(metrics, ref_tables: Sequence[TokenLogprobs], tables: Sequence[
         for i in rows:
             kl[int(metrics.position[i])] = float(max(metrics.kl[i], 0.0))
             agree[int(metrics.position[i])] = float(metrics.agree[i])
-        out.append({"prompt": f"prompt {seq}", "kl": kl, "argmax_agree": agree,
-                    "entropy": _entropy(tables[seq]), "ref_entropy": _entropy(ref_tables[seq])})
+        entry = {"prompt": f"prompt {seq}", "kl": kl, "argmax_agree": agree,
+                 "entropy": _entropy(tables[seq]), "ref_entropy": _entropy(ref_tables[seq])}
+        if detokenize is not None:
+            entry["tokens"] = [_token_text(detokenize, int(t)) for t in tables[seq].tokens]
+        out.append(entry)
     return out
+
+
+def _token_text(detokenize, token: int) -> str:
+    try:
+        return detokenize([token])
+    except Exception:  # noqa: BLE001 - display only
+        return str(token)
 
 
 def _entropy(table: TokenLogprobs) -> list[float | None] | None:

@@ -46,6 +46,7 @@ def line_chart(
     log_y: bool = False,
     y_range: tuple[float, float] | None = None,
     x_label: str = "",
+    x_ticks: Sequence[str] | None = None,
     width: int = 720,
     height: int = 260,
 ) -> str:
@@ -84,8 +85,16 @@ def line_chart(
         y = pad_t + h * (1 - frac)
         parts.append(f'<text x="{pad_l - 5}" y="{y + 4:.1f}" font-size="10" text-anchor="end">{label}</text>')
     parts.append(f'<text x="{pad_l + w / 2}" y="{height - 5}" font-size="11" text-anchor="middle">{_esc(x_label)}</text>')
-    parts.append(f'<text x="{pad_l}" y="{pad_t + h + 14}" font-size="10">0</text>')
-    parts.append(f'<text x="{pad_l + w}" y="{pad_t + h + 14}" font-size="10" text-anchor="end">{n - 1}</text>')
+    if x_ticks:  # a few positions labelled with their token text
+        step = max(1, math.ceil(n / 10))
+        for i in range(0, min(n, len(x_ticks)), step):
+            x = pad_l + (w * i / max(1, n - 1))
+            text = x_ticks[i].replace("\n", "\\n")[:8]
+            parts.append(f'<text x="{x:.1f}" y="{pad_t + h + 14}" font-size="9" text-anchor="middle">'
+                         f"{i}:{_esc(text)}</text>")
+    else:
+        parts.append(f'<text x="{pad_l}" y="{pad_t + h + 14}" font-size="10">0</text>')
+        parts.append(f'<text x="{pad_l + w}" y="{pad_t + h + 14}" font-size="10" text-anchor="end">{n - 1}</text>')
     for k, (name, ys) in enumerate(series):
         color = SERIES[k % len(SERIES)]
         segments, current = [], []
@@ -133,17 +142,19 @@ def _plots(stages: Iterable[StageReport]) -> list[str]:
                     if run.get("kl_limit"):
                         series.append(("limit (99th percentile)", [run["kl_limit"]] * len(run["kl"])))
                     out.append(line_chart(f"KL(reference || engine) per position{name}", series, log_y=True,
-                                          x_label="position"))
+                                          x_label="position: token", x_ticks=run.get("tokens")))
                 if run.get("argmax_agree"):
                     out.append(line_chart(f"argmax agreement per position{name}",
                                           [("agree (1) / differ (0)",
                                             [None if v is None else float(v) for v in run["argmax_agree"]])],
-                                          y_range=(0.0, 1.0), x_label="position"))
+                                          y_range=(0.0, 1.0), x_label="position: token",
+                                          x_ticks=run.get("tokens")))
                 if run.get("entropy"):
                     series = [("engine entropy", run["entropy"])]
                     if run.get("ref_entropy"):
                         series.append(("reference entropy", run["ref_entropy"]))
-                    out.append(line_chart(f"entropy per position (nats){name}", series, x_label="position"))
+                    out.append(line_chart(f"entropy per position (nats){name}", series, x_label="position: token",
+                                          x_ticks=run.get("tokens")))
     return out
 
 
