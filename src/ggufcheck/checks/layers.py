@@ -138,7 +138,7 @@ def _limit(baseline: float, opts: LayerOptions, allowance: float) -> float:
 # ------------------------------------------------------------------------------- replay
 def _ffn_parts(cfg, w: dict[str, Tensor], after_attn: Tensor, layer: int):
     """The FFN / MoE block on ``after_attn`` [T, D]: (out, routed, shared, ids, routing gap [T])."""
-    from ggufcheck.reference.layers import linear, moe, rms_norm, swiglu
+    from ggufcheck.reference.layers import moe, rms_norm, swiglu
 
     norm = w["ffn_norm.weight"] if "ffn_norm.weight" in w else w["post_attention_norm.weight"]
     x = rms_norm(after_attn, norm, cfg.rms_eps)
@@ -159,11 +159,6 @@ def _ffn_parts(cfg, w: dict[str, Tensor], after_attn: Tensor, layer: int):
         shared = swiglu(x, w["ffn_gate_shexp.weight"], w["ffn_up_shexp.weight"], w["ffn_down_shexp.weight"])
     out = routed if shared is None else routed + shared
     return out, routed, shared, ids, gap
-
-
-def _router_ties(gap: Tensor, margin: float) -> Tensor:
-    """[T] bool: the routing is within ``margin`` of choosing another expert or group."""
-    return gap < margin
 
 
 class _Replayer:
@@ -613,7 +608,7 @@ def _localize(i: int, runs, reference, baseline_reference, kinds: set[str], opts
             f_ref, routed, shexp, ids, gap = rep.ffn(after)
             keep_f = None
             if ids is not None:
-                keep_f = ~_router_ties(gap, opts.router_tie_margin if router_margin is None else router_margin)
+                keep_f = gap >= (opts.router_tie_margin if router_margin is None else router_margin)  # no near-tie
                 eng_ids = eng.tensors.get(("router", i))
                 if eng_ids is not None:
                     eng_ids = torch.as_tensor(np.asarray(eng_ids)).to(torch.int64)

@@ -125,13 +125,8 @@ class _Context:
             from ggufcheck.engines.spec import open_engine
 
             spec = self.options.baseline
-            if self.semantics() and spec.split(":")[0] == "reference":
-                from ggufcheck.engines.reference import ReferenceEngine
-
-                dtype = spec.split(":", 1)[1] if ":" in spec else "fp32"
-                self._baseline = ReferenceEngine(self.options.model, dtype=dtype, **self.semantics())
-            else:
-                self._baseline = open_engine(spec, self.options.model)
+            semantics = self.semantics() if spec.split(":")[0] == "reference" else {}
+            self._baseline = open_engine(spec, self.options.model, **semantics)
         return self._baseline
 
     def tokens(self) -> list[list[int]]:

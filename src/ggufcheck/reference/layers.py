@@ -123,24 +123,37 @@ def swiglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
     return linear(torch.nn.functional.silu(linear(x, gate)) * linear(x, up), down)
 
 
-def route(x: Tensor, gate_inp: Tensor, bias: Tensor | None, cfg: ReferenceConfig) -> tuple[Tensor, Tensor]:
-    """The MoE router (architectures.md sec 3): x [T, D] -> (expert ids [T, K], weights [T, K]).
-
-    Probabilities from softmax or sigmoid; the bias only steers SELECTION; groups keep
-    their top ``n_group_used`` by the sum of their top-2 biased scores, others get -inf;
-    weights are gathered from the UNBIASED probabilities, optionally normalized, scaled once.
-    """
+def _selection(x: Tensor, gate_inp: Tensor, bias: Tensor | None,
+               cfg: ReferenceConfig) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The router's scores: (probs [T, E], selection scores [T, E] with the experts of dropped
+    groups at -inf, group gap [T] or None). Probabilities from softmax or sigmoid; the bias
+    only steers SELECTION; groups keep their top ``n_group_used`` by the sum of their top-2
+    biased scores; the group gap is the weakest kept group's score minus the best dropped one's."""
     logits = linear(x, gate_inp)  # [T, E]
     probs = torch.softmax(logits, dim=-1) if cfg.gating == "softmax" else torch.sigmoid(logits)
     select = probs + bias if bias is not None else probs  # [T, E]
+    group_gap = None
     if cfg.n_group > 1:
         n_tok = select.shape[0]
         grouped = select.view(n_tok, cfg.n_group, cfg.n_expert // cfg.n_group)  # [T, G, E/G]
         group_score = grouped.topk(2, dim=-1).values.sum(-1)  # [T, G]
         keep = group_score.topk(cfg.n_group_used, dim=-1).indices  # [T, Gu]
         group_ok = torch.zeros_like(group_score, dtype=torch.bool).scatter(1, keep, True)  # [T, G]
+        if cfg.n_group_used < cfg.n_group:  # a tie there flips a whole group
+            group_gap = (group_score.gather(1, keep).min(-1).values
+                         - group_score.masked_fill(group_ok, float("-inf")).max(-1).values)
         expert_ok = group_ok[:, :, None].expand_as(grouped).reshape(n_tok, cfg.n_expert)  # [T, E]
         select = select.masked_fill(~expert_ok, float("-inf"))
+    return probs, select, group_gap
+
+
+def route(x: Tensor, gate_inp: Tensor, bias: Tensor | None, cfg: ReferenceConfig) -> tuple[Tensor, Tensor]:
+    """The MoE router (architectures.md sec 3): x [T, D] -> (expert ids [T, K], weights [T, K]).
+
+    Experts chosen by their selection scores (:func:`_selection`); weights are gathered from
+    the UNBIASED probabilities, optionally normalized, scaled once.
+    """
+    probs, select, _ = _selection(x, gate_inp, bias, cfg)
     ids = select.topk(cfg.n_expert_used, dim=-1).indices  # [T, K]
     weights = probs.gather(1, ids)  # [T, K]
     if cfg.expert_weights_norm:
@@ -149,21 +162,9 @@ def route(x: Tensor, gate_inp: Tensor, bias: Tensor | None, cfg: ReferenceConfig
 
 
 def router_gap(x: Tensor, gate_inp: Tensor, bias: Tensor | None, cfg: ReferenceConfig, ids: Tensor) -> Tensor:
-    """[T] the weakest chosen expert's selection score minus the best unchosen eligible one's
-    (the routing's margin: ``route``'s scores, group-masked experts are not eligible)."""
-    logits = linear(x, gate_inp)
-    probs = torch.softmax(logits, dim=-1) if cfg.gating == "softmax" else torch.sigmoid(logits)
-    select = probs + bias if bias is not None else probs
-    group_gap = None
-    if cfg.n_group > 1 and cfg.n_group_used < cfg.n_group:
-        n_tok = select.shape[0]
-        grouped = select.view(n_tok, cfg.n_group, cfg.n_expert // cfg.n_group)
-        score = grouped.topk(2, dim=-1).values.sum(-1)  # [T, G]
-        keep = score.topk(cfg.n_group_used, dim=-1).indices
-        group_ok = torch.zeros(n_tok, cfg.n_group, dtype=torch.bool, device=select.device).scatter(1, keep, True)
-        # the weakest kept group against the best dropped one: a tie there flips a whole group
-        group_gap = score.gather(1, keep).min(-1).values - score.masked_fill(group_ok, float("-inf")).max(-1).values
-        select = select.masked_fill(~group_ok[:, :, None].expand_as(grouped).reshape(n_tok, -1), float("-inf"))
+    """[T] the routing's margin: the weakest chosen expert's selection score minus the best
+    unchosen eligible one's, or the group gap where that is smaller."""
+    _, select, group_gap = _selection(x, gate_inp, bias, cfg)
     chosen = select.gather(1, ids).min(dim=-1).values
     rest = select.scatter(1, ids, float("-inf")).max(dim=-1).values
     gap = chosen - rest
