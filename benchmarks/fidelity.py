@@ -30,7 +30,10 @@ from ggufcheck.testing.tiny import build_tiny_gguf
 
 ARCHS = ("llama", "qwen2", "deepseek2", "glm4moe", "glm-dsa")
 ENGINES = ("reference", "hf", "llama-cpp")
-FAULT_KW = {"norm-eps-wrong": {"glm4moe": {"eps": 1e-3}}}  # as the tests: glm4moe hides 1e-5 <-> 1e-6
+# 1e-5 <-> 1e-6 in one norm is below the fp32 class's resolution on the MoE / MLA tiny models:
+# it moves the last layer's residual by 8.8e-6 (deepseek2) and 7.4e-6 (glm-dsa), ~3x an fp32
+# engine's own rounding there, under the 10x limit (glm4moe hides it too, as the tests say)
+FAULT_KW = {"norm-eps-wrong": {a: {"eps": 1e-3} for a in ("glm4moe", "deepseek2", "glm-dsa")}}
 
 
 def _diagnose(path: Path, engine) -> object:
@@ -109,7 +112,23 @@ def main() -> int:
         total += len(archs)
         hits += got
         say(f"| {name} | {len(archs)} | {got}/{len(archs)} | {'; '.join(instead) or '-'} |")
+    got, instead, archs = 0, [], list(ARCHS)
+    for arch in archs:  # a served-path fault only the prefill length sweep localizes
+        path = tmp / f"{arch}-F32-1.gguf"
+        from ggufcheck.engines.faults import LongPromptWrong
+
+        with LongPromptWrong(_open("reference:fp32", path), longer_than=64) as engine:
+            d = _diagnose(path, engine)
+        if d.verdict.component == "kv-cache" and "(64 tokens)" in d.verdict.message:
+            got += 1
+        else:
+            instead.append(f"{arch}: {d.verdict.component or 'healthy'}")
+    total += len(archs)
+    hits += got
+    say(f"| prompts-longer-than-64-wrong | {len(archs)} | {got}/{len(archs)} | {'; '.join(instead) or '-'} |")
     say(f"| **all** | | **{hits}/{total} ({hits / total:.0%})** | |")
+    say("(norm-eps-wrong with eps 1e-3 on glm4moe, deepseek2, glm-dsa: 1e-5 <-> 1e-6 is below the fp32 "
+        "class's resolution there, see FAULT_KW)")
     say(f"\n{time.time() - t0:.0f} s in all")
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")

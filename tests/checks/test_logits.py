@@ -84,3 +84,49 @@ def test_llama_cpp_vs_the_fp64_reference_passes_with_measured_baseline(smollm2_p
     shuffled = judge(collect(list(zip(ref, [ShuffledLogits(llama).score(s) for s in seqs]))),
                      combined_baseline(base, "q8"))
     assert _status(shuffled, "logits.kl_mean") == Status.FAIL
+
+
+def _flat_tables(seed: int, rows: int = 2000, vocab: int = 300, scale: float = 0.5):
+    """A flat random 'reference' (most top-2 gaps below 0.3 nats, as random-weight models)."""
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(0.0, scale, size=(rows, vocab))
+    tokens = rng.integers(0, vocab, rows)
+    return rng, tokens, logits
+
+
+def test_argmax_flips_from_spread_noise_are_what_its_kl_explains():
+    """Noise spread over the vocabulary flips near-tie argmaxes at the rate expected_flips
+    predicts from its own KL (an independent Monte Carlo of the same noise), and the argmax
+    check passes it, while the exact agreement alone would fail."""
+    from ggufcheck.checks.logits import LogitTolerance, expected_flips, judge_argmax
+
+    rng, tokens, logits = _flat_tables(1)
+    ref = TokenLogprobs(tokens, logits.shape[1], log_softmax(logits))
+    eng = TokenLogprobs(tokens, logits.shape[1], log_softmax(logits + rng.normal(0, 0.05, logits.shape)))
+    m = collect([(ref, eng)])
+    flips = int((~m.agree).sum())
+    kl = float(m.kl.mean())
+    predicted = expected_flips(m.ref_margin, kl)
+    assert flips / m.n > 0.05  # many near-tie flips: the old exact-agreement rule would call it broken
+    assert abs(flips - predicted) <= 3 * predicted ** 0.5 + 0.25 * predicted, (flips, predicted)
+    result = judge_argmax(m, ALLOWANCES["q8"], LogitTolerance(), kl_limit=0.0151, component="output")
+    assert result.status == Status.PASS, result.message
+
+
+def test_argmax_flips_concentrated_on_the_top_tokens_fail():
+    """Swapping the top two tokens at one row in eight moves little KL (flat rows) but flips far
+    more argmaxes than that KL explains: the argmax check fails."""
+    from ggufcheck.checks.logits import LogitTolerance, judge_argmax
+
+    _rng, tokens, logits = _flat_tables(2)
+    swapped = logits.copy()
+    top2 = np.argsort(-logits, axis=1)[:, :2]
+    for t in range(0, len(tokens), 8):
+        a, b = top2[t]
+        swapped[t, [a, b]] = swapped[t, [b, a]]
+    ref = TokenLogprobs(tokens, logits.shape[1], log_softmax(logits))
+    eng = TokenLogprobs(tokens, logits.shape[1], log_softmax(swapped))
+    m = collect([(ref, eng)])
+    assert float(m.kl.mean()) < 1e-3  # below the 8-bit class's KL limit: only the argmax can tell
+    result = judge_argmax(m, ALLOWANCES["q8"], LogitTolerance(), kl_limit=0.0151, component="output")
+    assert result.status == Status.FAIL, result.message

@@ -48,6 +48,9 @@ class CompareOptions:
     max_new_tokens: int = 8
     decode_prompts: int = 2
     long_decode_to: int = 272  # the first prompt decoded to this position (PathOptions)
+    # prefill length sweep (checks.lengths) over prompts of up to this many tokens (520: past
+    # llama.cpp's 512-token micro-batch); 0: no sweep
+    sweep_to: int = 520
     chunk_sizes: tuple[int, ...] = (5,)
     tolerance: LogitTolerance = field(default_factory=LogitTolerance)
     sanity: SanityLimits = field(default_factory=SanityLimits)
@@ -127,7 +130,9 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
                             chunk_sizes=options.chunk_sizes, tolerance=options.tolerance, top_k=options.top_k,
                             indexer_top_k=options.indexer_top_k, long_decode_to=options.long_decode_to)
         path_baseline = combined_baseline(None, engine.capabilities.activation_dtype)
-        results, generations = run_paths(engine, seqs, tables, popts, baseline=path_baseline, long_prompt=long_prompt)
+        ambiguity = (lambda seq: reference_score(seq).ambiguous) if reference is not None else None
+        results, generations = run_paths(engine, seqs, tables, popts, baseline=path_baseline, long_prompt=long_prompt,
+                                         ambiguity=ambiguity)
         paths_stage.add(results)
         paths_stage.info["baseline"] = path_baseline.source
     else:
@@ -178,6 +183,9 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
             if first is not None:
                 prefill.stats["first_divergence"] = first
                 prefill.message += "; " + first["text"]
+        sweep = _sweep(engine, seqs, generations, reference_score, baseline, options, say) if options.sweep_to else None
+        if sweep is not None:
+            logits_stage.add(sweep)
         logits_stage.info["per_position"] = per_position(metrics, judged_refs, judged_tables,
                                                          _detokenizer(engine, reference))
         if len(prefill_checks) > 1:  # the per-position limit, drawn on the KL plots
@@ -200,7 +208,12 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
             if decode.failed and prefill.failed:
                 decode.component = "output"  # both paths wrong: not a decode-path fault
             logits_stage.add(decode)
-            logits_stage.add(_which_path(prefill, decode))
+            blame = _which_path(prefill, decode)
+            if blame.failed and blame.component == "prefill" and sweep is not None and sweep.failed \
+                    and sweep.stats.get("threshold"):  # the length where the prefill goes wrong, and its owner
+                blame.component = sweep.component
+                blame.message += "; " + sweep.message
+            logits_stage.add(blame)
         logits_stage.info.update({
             "reference": reference.name, "baseline": baseline.source,
             "measured_baseline": None if measured is None else vars(measured),
@@ -209,6 +222,24 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
         })
     logits_stage.add(declined)
     return [sanity_stage, logits_stage, paths_stage]
+
+
+def _sweep(engine: Engine, seqs, generations, reference_score, baseline: Baseline, options: CompareOptions,
+           say: Progress) -> Result:
+    """The prefill length sweep (checks.lengths) on one long sequence built from the prompts."""
+    from ggufcheck.checks.lengths import check_prefill_lengths, landmarks, sweep_sequence
+
+    caps = engine.capabilities
+    longest = min(options.sweep_to, caps.max_sequence or options.sweep_to)
+    sequence = sweep_sequence([*seqs, *(g.sequence for g in generations)], longest)
+    marks = landmarks(indexer_top_k=options.indexer_top_k, micro_batch=caps.prefill_micro_batch,
+                      longest=len(sequence))
+    if not marks:
+        return skipped("logits.prefill_lengths", "prefill",
+                       f"the prompts make only {len(sequence)} tokens: below every landmark length")
+    say(f"sweeping prompt lengths up to {len(sequence)} tokens across {len(marks)} landmarks")
+    return check_prefill_lengths(engine, sequence, reference_score(sequence), baseline, options.tolerance, marks,
+                                 options.top_k)
 
 
 def _score_what_the_engine_takes(engine: Engine, seqs: list[list[int]], top_k: int):

@@ -22,20 +22,46 @@ class: ``multiple * baseline + floor``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
 
 import numpy as np
 
-from ggufcheck.checks.logits import ALLOWANCES, Baseline, LogitTolerance, collect, distribution, wilson_interval
+from ggufcheck.checks.logits import (ALLOWANCES, Baseline, LogitTolerance, argmax_agreement, collect, distribution,
+                                     wilson_interval)
 from ggufcheck.engines.base import Engine, Generation, TokenLogprobs, Unsupported
-from ggufcheck.results import Result, failed, passed, skipped
+from ggufcheck.results import Result, Status, failed, passed, skipped
 
 
 # Positions where KV caches change block / page (vLLM 16, llama.cpp and others powers of two up
 # to 256 and beyond), and where long-context bugs have been reported: a divergence that
 # starts exactly there is that component's fingerprint.
 BOUNDARIES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+
+
+# The reference's ambiguous rows of a sequence ([T] bool, or None): DSA top-k and MoE routing
+# (near-)ties that a correct engine may resolve one way in one path and the other way in
+# another (different kernels, or a tie where the order of equal scores decides), so two paths
+# of one engine are not compared there (checks.compare passes the reference's marks)
+Ambiguity = Callable[[Sequence[int]], "np.ndarray | None"]
+
+
+def mark_ambiguous(table: TokenLogprobs, ambiguity: Ambiguity | None, *, onward_from: int | None = None) -> TokenLogprobs:
+    """``table`` with the reference's ambiguous rows of its sequence marked (the first table of
+    a pair is the one whose marks count). With ``onward_from`` (the first generated row of a
+    decode), every row after the first ambiguous generated one is marked too: later steps read
+    that choice through the KV cache."""
+    if ambiguity is None:
+        return table
+    marks = ambiguity(table.tokens)
+    if marks is None or not np.any(marks):
+        return table
+    marks = np.asarray(marks, dtype=bool).copy()
+    if onward_from is not None:
+        hits = np.flatnonzero(marks[onward_from:])
+        if len(hits):
+            marks[onward_from + hits[0]:] = True
+    return replace(table, ambiguous=marks)
 
 
 @dataclass(frozen=True)
@@ -54,25 +80,52 @@ class PathOptions:
 
 def _pair_verdict(check: str, component: str, what: str, pairs: Sequence[tuple[TokenLogprobs, TokenLogprobs]],
                   baseline: Baseline, tol: LogitTolerance, landmarks: dict[str, int] | None = None) -> Result:
-    """Compare path A (first) with path B (second) at every shared position."""
+    """Compare path A (first) with path B (second) at every shared position.
+
+    The reference's ambiguous rows (marked on A, :func:`mark_ambiguous`) count only when the
+    paths disagree: two paths that agree everywhere pass on every row, and a disagreement is
+    judged again without the rows where two correct paths may legitimately differ."""
+    everywhere = [(replace(a, ambiguous=None), b) for a, b in pairs]
+    if any(a.ambiguous is not None for a, _ in pairs):
+        full = _judge_pairs(check, component, what, everywhere, baseline, tol, landmarks)
+        if full.status is Status.PASS:
+            return full
+        judged = _judge_pairs(check, component, what, pairs, baseline, tol, landmarks)
+        if not judged.failed:
+            judged.message += ("; the paths differ only where such a tie lets them (over every position: "
+                               f"{full.message.split(': ', 1)[-1]})")
+            judged.stats["unmasked"] = full.stats
+        return judged
+    return _judge_pairs(check, component, what, everywhere, baseline, tol, landmarks)
+
+
+def _judge_pairs(check: str, component: str, what: str, pairs: Sequence[tuple[TokenLogprobs, TokenLogprobs]],
+                 baseline: Baseline, tol: LogitTolerance, landmarks: dict[str, int] | None) -> Result:
     m = collect(pairs)
     if m.n == 0:
-        return skipped(check, component, f"{what}: no position was reported by both paths")
+        why = (f"all {m.ambiguous} shared positions follow an indexer top-k or MoE routing tie of the reference, "
+               "which two correct paths may resolve differently" if m.ambiguous else
+               "no position was reported by both paths")
+        return skipped(check, component, f"{what}: {why}")
     kl = distribution(m.kl)
     limit = tol.multiple * baseline.kl_mean + tol.kl_floor
     limit99 = tol.multiple * baseline.kl_p99 + tol.kl_p99_floor
-    agree = int(m.agree.sum())
+    agree, exact, _expected = argmax_agreement(m, limit)
     low, high = wilson_interval(agree, m.n)
     need = baseline.argmax_agreement - tol.argmax_floor
     max_limit = max(limit99, limit)
     ok = kl["mean"] <= limit and kl["max"] <= max_limit and high >= need
     worst_i = int(np.argmax(m.kl))
     stats = {"kl": kl, "kl_limit": limit, "kl_max_limit": max_limit,
-             "argmax_agreement": agree / m.n, "ci95": [low, high], "required_upper_bound": need,
+             "argmax_agreement": agree / m.n, "exact_argmax_agreement": exact / m.n, "ci95": [low, high], "required_upper_bound": need,
              "baseline": baseline.source}
     worst = {"sequence": int(m.sequence[worst_i]), "position": int(m.position[worst_i]), "kl": float(m.kl[worst_i])}
     msg = (f"{what}: mean KL {kl['mean']:.3g} (limit {limit:.3g}), max {kl['max']:.3g} "
-           f"(limit {max_limit:.3g}), argmax {agree}/{m.n} agree, over {m.n} positions")
+           f"(limit {max_limit:.3g}), argmax {agree}/{m.n} agree"
+           f"{f' ({exact} exactly, the others near-ties)' if exact < agree else ''}, over {m.n} positions")
+    if m.ambiguous:
+        msg += f" ({m.ambiguous} after an indexer top-k or MoE routing tie of the reference left out)"
+        stats["ambiguous_positions"] = m.ambiguous
     if not ok:
         first = first_divergence(m, max_limit, landmarks, who="the first path's")
         if first is not None:
@@ -131,7 +184,7 @@ def first_divergence(m, limit: float, landmarks: dict[str, int] | None = None, w
 
 
 def check_prefill_vs_decode(engine: Engine, prompts: Sequence[Sequence[int]], baseline: Baseline,
-                            options: PathOptions) -> tuple[Result, list[Generation]]:
+                            options: PathOptions, ambiguity: Ambiguity | None = None) -> tuple[Result, list[Generation]]:
     caps = engine.capabilities
     if not caps.generate:
         return skipped("paths.prefill_vs_decode", "decode", caps.why_not("generate")), []
@@ -151,7 +204,8 @@ def check_prefill_vs_decode(engine: Engine, prompts: Sequence[Sequence[int]], ba
     pairs = []
     for prompt, gen in zip(prompts, generations):
         engine.score(prompt, top_k=options.top_k)  # replaces a single-slot cache with a prefill
-        pairs.append((engine.score(gen.sequence, top_k=options.top_k), gen.steps))
+        forced = engine.score(gen.sequence, top_k=options.top_k)
+        pairs.append((mark_ambiguous(forced, ambiguity, onward_from=len(gen.prompt) - 1), gen.steps))
     steps = ", ".join(str(len(g.generated)) for g in generations)
     result = _pair_verdict("paths.prefill_vs_decode", "decode",
                            f"teacher-forced prefill vs step-by-step decode ({steps} steps)", pairs, baseline,
@@ -161,7 +215,7 @@ def check_prefill_vs_decode(engine: Engine, prompts: Sequence[Sequence[int]], ba
 
 
 def check_batch_invariance(engine: Engine, prompts: Sequence[Sequence[int]], singles: Sequence[TokenLogprobs],
-                           baseline: Baseline, options: PathOptions) -> Result:
+                           baseline: Baseline, options: PathOptions, ambiguity: Ambiguity | None = None) -> Result:
     caps = engine.capabilities
     if not caps.batch:
         return skipped("paths.batch_invariance", "batching", caps.why_not("batch"))
@@ -170,7 +224,8 @@ def check_batch_invariance(engine: Engine, prompts: Sequence[Sequence[int]], sin
     n = min(options.batch_prompts, len(prompts))
     batched = engine.score_batch(list(prompts[:n]), top_k=options.top_k)
     return _pair_verdict("paths.batch_invariance", "batching", f"alone vs in a batch of {n}",
-                         list(zip(singles[:n], batched)), baseline, options.tolerance)
+                         [(mark_ambiguous(a, ambiguity), b) for a, b in zip(singles[:n], batched)], baseline,
+                         options.tolerance)
 
 
 def check_determinism(engine: Engine, prompt: Sequence[int], first: TokenLogprobs,
@@ -195,7 +250,7 @@ def check_determinism(engine: Engine, prompt: Sequence[int], first: TokenLogprob
 
 
 def check_chunked_prefill(engine: Engine, prompts: Sequence[Sequence[int]], singles: Sequence[TokenLogprobs],
-                          baseline: Baseline, options: PathOptions) -> list[Result]:
+                          baseline: Baseline, options: PathOptions, ambiguity: Ambiguity | None = None) -> list[Result]:
     caps = engine.capabilities
     if not caps.chunked_prefill:
         return [skipped("paths.chunked_prefill", "prefill", caps.why_not("chunked_prefill"))]
@@ -206,7 +261,7 @@ def check_chunked_prefill(engine: Engine, prompts: Sequence[Sequence[int]], sing
             if len(prompt) <= size:
                 continue
             try:
-                pairs.append((single, engine.score_chunked(prompt, size, top_k=options.top_k)))
+                pairs.append((mark_ambiguous(single, ambiguity), engine.score_chunked(prompt, size, top_k=options.top_k)))
             except Unsupported as why:
                 out.append(skipped(f"paths.chunked_prefill[{size}]", "prefill", str(why)))
                 break
@@ -221,7 +276,7 @@ def check_chunked_prefill(engine: Engine, prompts: Sequence[Sequence[int]], sing
 
 
 def check_past_indexer_top_k(engine: Engine, long_prompt: Sequence[int] | None, baseline: Baseline,
-                             options: PathOptions) -> Result:
+                             options: PathOptions, ambiguity: Ambiguity | None = None) -> Result:
     """DSA models: decode past the indexer's top_k must still match the teacher-forced prefill."""
     if options.indexer_top_k is None:
         return skipped("paths.past_indexer_top_k", "indexer", "the model has no sparse-attention indexer")
@@ -231,7 +286,7 @@ def check_past_indexer_top_k(engine: Engine, long_prompt: Sequence[int] | None, 
     result, _ = check_prefill_vs_decode(engine, [long_prompt], baseline,
                                         PathOptions(max_new_tokens=options.max_new_tokens, decode_prompts=1,
                                                     tolerance=options.tolerance, top_k=options.top_k,
-                                                    long_decode_to=0))
+                                                    long_decode_to=0), ambiguity)
     result.check = "paths.past_indexer_top_k"
     result.component = "indexer"
     return result
@@ -239,8 +294,10 @@ def check_past_indexer_top_k(engine: Engine, long_prompt: Sequence[int] | None, 
 
 def run_paths(engine: Engine, prompts: Sequence[Sequence[int]], singles: Sequence[TokenLogprobs],
               options: PathOptions = PathOptions(), *, baseline: Baseline | None = None,
-              long_prompt: Sequence[int] | None = None) -> tuple[list[Result], list[Generation]]:
-    """All path checks. ``singles`` are the engine's own teacher-forced tables of ``prompts``.
+              long_prompt: Sequence[int] | None = None,
+              ambiguity: Ambiguity | None = None) -> tuple[list[Result], list[Generation]]:
+    """All path checks. ``singles`` are the engine's own teacher-forced tables of ``prompts``;
+    ``ambiguity`` gives the reference's ambiguous rows of a sequence (left out of every pair).
 
     A check whose engine call raises :class:`Unsupported` (a sequence beyond n_ctx, a chunk
     size the engine refuses) is SKIPPED with that reason.
@@ -256,18 +313,18 @@ def run_paths(engine: Engine, prompts: Sequence[Sequence[int]], singles: Sequenc
             return skipped(check, component, str(why))
 
     decode = attempt("paths.prefill_vs_decode", "decode",
-                     lambda: check_prefill_vs_decode(engine, prompts, baseline, options))
+                     lambda: check_prefill_vs_decode(engine, prompts, baseline, options, ambiguity))
     if isinstance(decode, tuple):
         decode, generations = decode
     results.append(decode)
     results.append(attempt("paths.batch_invariance", "batching",
-                           lambda: check_batch_invariance(engine, prompts, singles, baseline, options)))
+                           lambda: check_batch_invariance(engine, prompts, singles, baseline, options, ambiguity)))
     results.append(attempt("paths.determinism", "sampling",
                            lambda: check_determinism(engine, prompts[0], singles[0],
                                                      generations[0] if generations else None, baseline, options)))
     chunked = attempt("paths.chunked_prefill", "prefill",
-                      lambda: check_chunked_prefill(engine, prompts, singles, baseline, options))
+                      lambda: check_chunked_prefill(engine, prompts, singles, baseline, options, ambiguity))
     results.extend(chunked if isinstance(chunked, list) else [chunked])
     results.append(attempt("paths.past_indexer_top_k", "indexer",
-                           lambda: check_past_indexer_top_k(engine, long_prompt, baseline, options)))
+                           lambda: check_past_indexer_top_k(engine, long_prompt, baseline, options, ambiguity)))
     return results, generations

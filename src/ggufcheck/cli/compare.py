@@ -38,6 +38,7 @@ class CompareCliOptions:
     sanity: bool
     verbose: bool
     decode_to: int = 272
+    sweep_to: int = 520
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -63,6 +64,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-to", type=int, default=272, metavar="POS",
                    help="decode the first prompt up to this position, past the usual KV-cache block sizes "
                         "(default 272; 0: --new-tokens only)")
+    p.add_argument("--sweep-to", type=int, default=520, metavar="LEN",
+                   help="score prompts whose lengths straddle each landmark (DSA top_k, the engine's "
+                        "micro-batch, cache block sizes) up to LEN tokens (default 520; 0: no sweep)")
     p.add_argument("--top-k", type=int, default=20, help="top-k requested from engines without full logits")
     p.add_argument("--timeout", type=float, default=60.0, help="HTTP engines: seconds per request (default 60)")
     p.add_argument("--no-paths", dest="paths", action="store_false", help="skip the execution-path checks")
@@ -78,11 +82,14 @@ def _options(args: argparse.Namespace) -> CompareCliOptions:
             raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, not {value}")
     if args.timeout <= 0:
         raise UsageError(f"--timeout must be positive, not {args.timeout}")
+    for name in ("decode_to", "sweep_to"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, not {getattr(args, name)}")
     if not args.model.is_file():
         raise UsageError(f"{args.model}: no such file")
     return CompareCliOptions(args.model, args.engine, args.reference, args.baseline, args.prompts, args.json,
                              args.max_prompts, args.max_tokens, args.new_tokens, args.top_k, args.timeout,
-                             args.paths, args.sanity, args.verbose, args.decode_to)
+                             args.paths, args.sanity, args.verbose, args.decode_to, args.sweep_to)
 
 
 def _prompt_texts(options: CompareCliOptions) -> list[str]:
@@ -166,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         stages = run_compare(
             engine, sequences, reference=reference, reference_reason=reason, baseline_engine=baseline,
             options=CompareOptions(top_k=options.top_k, max_new_tokens=options.new_tokens, run_paths=options.paths,
-                                   long_decode_to=options.decode_to,
+                                   long_decode_to=options.decode_to, sweep_to=options.sweep_to,
                                    run_sanity=options.sanity, indexer_top_k=top_k),
             progress=say, long_prompt=long_prompt,
         )

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
                       f"exact on one GPU, but at tensor-parallel size {TP} each rank computes attention with the "
                       f"wrong rows (the real bug in the brief). The diagnosis must find that without being told.")
         options = DiagnoseOptions(model=model, tp=TP, max_prompts=2, max_tokens=24, new_tokens=4, sanity=False,
-                                  decode_to=0)
+                                  decode_to=0, sweep_to=0)
         runs = [
             ("healthy engine: reference fp32", lambda: ReferenceEngine(model, dtype="fp32")),
             (f"faulty engine: {FAULT} at TP {TP}", lambda: make_faulty_engine(FAULT, model, tp=TP)),

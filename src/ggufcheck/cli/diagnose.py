@@ -35,6 +35,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-to", type=int, default=272, metavar="POS",
                    help="decode the first prompt up to this position, past the usual KV-cache block sizes "
                         "(default 272; 0: short decodes only)")
+    p.add_argument("--sweep-to", type=int, default=520, metavar="LEN",
+                   help="score prompts whose lengths straddle each landmark (DSA top_k, the engine's "
+                        "micro-batch, cache block sizes) up to LEN tokens (default 520; 0: no sweep)")
     p.add_argument("--top-k", type=int, default=20, help="top-k requested from engines without full logits (default 20)")
     p.add_argument("--timeout", type=float, default=60.0, help="HTTP engines: seconds per request (default 60)")
     p.add_argument("--baseline", default="reference:fp32", metavar="SPEC",
@@ -60,13 +63,14 @@ def options_from(args: argparse.Namespace) -> DiagnoseOptions:
             raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, not {value}")
     if args.device is not None and args.device < 0:
         raise UsageError(f"--device must be >= 0, not {args.device}")
-    if args.decode_to < 0:
-        raise UsageError(f"--decode-to must be >= 0, not {args.decode_to}")
+    for name in ("decode_to", "sweep_to"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, not {getattr(args, name)}")
     return DiagnoseOptions(
         model=args.model, engine=args.engine, python=args.python, device=args.device, tp=args.tp,
         prompts=args.prompts, max_prompts=args.max_prompts, max_tokens=args.max_tokens, health=args.health,
         kernels=args.kernels, sanity=args.sanity, shard_numeric=args.shard_numeric, baseline=args.baseline,
-        top_k=args.top_k, timeout=args.timeout, decode_to=args.decode_to,
+        top_k=args.top_k, timeout=args.timeout, decode_to=args.decode_to, sweep_to=args.sweep_to,
     )
 
 

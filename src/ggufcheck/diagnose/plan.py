@@ -48,6 +48,7 @@ class DiagnoseOptions:
     max_tokens: int = 96
     new_tokens: int = 6
     decode_to: int = 272  # the first prompt is decoded to this position (0: new_tokens only)
+    sweep_to: int = 520  # prefill length sweep up to this many tokens (0: none; checks.lengths)
     health: bool = True
     kernels: bool = True
     sanity: bool = True  # off for random-weight test models, whose output is near-flat by nature
@@ -240,7 +241,7 @@ def _served(ctx: _Context) -> list[StageReport]:
     return run_compare(
         ctx.engine(), ctx.tokens(), reference=ctx.reference(), baseline_engine=ctx.baseline(),
         options=CompareOptions(max_new_tokens=o.new_tokens, run_sanity=o.sanity, indexer_top_k=indexer_top_k,
-                               top_k=o.top_k, long_decode_to=o.decode_to),
+                               top_k=o.top_k, long_decode_to=o.decode_to, sweep_to=o.sweep_to),
         progress=ctx.say, long_prompt=long_prompt,
     )
 

@@ -76,6 +76,10 @@ class Capabilities:
     # says so in the report. Empty: the reference reads the file as llama.cpp does.
     reference_options: Mapping[str, Any] = field(default_factory=dict)
     tp_size: int = 1
+    max_sequence: int | None = None  # the longest sequence the engine takes (its context), if known
+    # the engine's prompt micro-batch (llama.cpp n_ubatch): a prompt longer than this is
+    # processed in pieces, a length landmark of the prefill sweep (checks.lengths)
+    prefill_micro_batch: int | None = None
     # Numerical class of the engine's activations, used to pick the honest baseline:
     # "fp64", "fp32", "bf16", "fp16", or "q8" (llama.cpp CPU quantizes activations to
     # 8-bit blocks before quantized matmuls).

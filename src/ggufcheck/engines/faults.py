@@ -121,3 +121,22 @@ class InputIgnored(WrappedEngine):
         table = self.inner.score([tokens[0]] * len(tokens), top_k=top_k)
         return TokenLogprobs(np.asarray(tokens), table.vocab_size, table.logprobs, table.topk_ids,
                              table.topk_logprobs, None, table.present)
+
+
+class LongPromptWrong(WrappedEngine):
+    """A prompt longer than ``longer_than`` tokens is processed wrong: every row (a kernel or
+    path that the length switches on, ``from_row=None``) or the rows from ``from_row`` on (a
+    second micro-batch that does not see the first one's keys). Decode is untouched."""
+
+    def __init__(self, inner: Engine, longer_than: int, from_row: int | None = None, seed: int = 0):
+        super().__init__(inner)
+        self.longer_than, self.from_row = longer_than, from_row
+        self._rng = np.random.default_rng(seed)
+
+    def corrupt(self, table: TokenLogprobs) -> TokenLogprobs:
+        if len(table.tokens) <= self.longer_than or table.logprobs is None:
+            return table
+        logits = table.logprobs.astype(np.float64).copy()
+        start = 0 if self.from_row is None else self.from_row
+        logits[start:] += self._rng.normal(0.0, 1.0, size=logits[start:].shape)
+        return _full(table, log_softmax(logits))

@@ -132,6 +132,10 @@ class LlamaCppEngine(Engine):
             batch=False, chunked_prefill=True,
             layer_outputs=frozenset(NODE_KINDS.values()),
             activation_dtype=coarsest(activation_class(self.model_path), context_class(self._llm.context_params)),
+            max_sequence=n_ctx,
+            # llama-cpp-python feeds a prompt in pieces of n_batch; llama.cpp splits each into
+            # micro-batches of n_ubatch
+            prefill_micro_batch=min(n_batch, int(self._llm.context_params.n_ubatch) or n_batch),
             reasons=reasons(
                 batch="llama-cpp-python's Llama object decodes one sequence at a time",
                 weights="llama-cpp-python exposes no loaded-tensor access by HF name",

@@ -96,7 +96,7 @@ HF_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
         n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
         kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=16,
-        v_head_dim=32, index_topk=8, index_head_dim=64, index_n_heads=4,
+        v_head_dim=32, index_topk=8, index_head_dim=64, index_n_heads=16,
         max_position_embeddings=512)),
 }
 ARCHS = tuple(HF_CONFIGS)

@@ -1,0 +1,178 @@
+"""Prefill length sweep: is the engine right for prompts of every length it will be given?
+
+Engines switch code paths with the prompt's length: a DSA model starts to select keys once a
+query sees more than the indexer's top_k, llama.cpp splits a prompt into micro-batches of
+n_ubatch (512) tokens, paged caches fill a block of 16 / 64 / 256 tokens. A fault in one of
+those paths is invisible to prompts shorter than its threshold, and a divergence that starts
+exactly there is that component's fingerprint. So the sweep scores prefixes of one long token
+sequence whose lengths straddle every such landmark (b and b + 1 tokens) and judges each
+prefix's rows against the reference's rows of the whole sequence (the reference is causal: a
+prefix's rows are the sequence's first rows; one reference prefill serves every length).
+
+The answer says which lengths are right, the threshold where they stop being right, which
+landmark it sits on, and whether the longer prompt is wrong everywhere (the length switched
+the path: a length-triggered fault) or only from some position on (a position-triggered one).
+Limits are the logits stage's: mean KL and the per-row maximum within ``multiple * baseline
++ floor`` of the engine's numerical class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+import numpy as np
+
+from ggufcheck.checks.logits import Baseline, LogitTolerance, collect
+from ggufcheck.checks.paths import BOUNDARIES
+from ggufcheck.engines.base import Engine, TokenLogprobs, Unsupported
+from ggufcheck.results import Result, failed, passed, skipped
+
+CHECK = "logits.prefill_lengths"
+
+
+@dataclass(frozen=True)
+class Landmark:
+    """A prompt length where an engine may switch paths, and the component that owns it."""
+
+    length: int
+    what: str
+    component: str
+
+
+def landmarks(*, indexer_top_k: int | None = None, micro_batch: int | None = None,
+              longest: int) -> list[Landmark]:
+    """The landmarks up to ``longest`` tokens, shortest first (one per length; the more
+    specific component wins where two coincide)."""
+    out: dict[int, Landmark] = {}
+    for b in BOUNDARIES:
+        out[b] = Landmark(b, f"a cache block / page boundary ({b} tokens)", "kv-cache")
+    if micro_batch:
+        out[micro_batch] = Landmark(micro_batch, f"the engine's prompt micro-batch (n_ubatch {micro_batch})", "prefill")
+    if indexer_top_k:
+        out[indexer_top_k] = Landmark(indexer_top_k, f"the DSA indexer's top_k ({indexer_top_k})", "indexer")
+    return [out[b] for b in sorted(out) if 2 <= b < longest]
+
+
+def sweep_lengths(marks: Sequence[Landmark]) -> list[int]:
+    """b and b + 1 for every landmark b."""
+    return sorted({n for m in marks for n in (m.length, m.length + 1)})
+
+
+def sweep_sequence(seqs: Sequence[Sequence[int]], length: int) -> list[int]:
+    """One token sequence of up to ``length`` tokens: the longest given, extended with the
+    others and itself again, in turn (a repeated sequence's BOS dropped)."""
+    ordered = sorted(seqs, key=len, reverse=True)
+    if not ordered:
+        return []
+    out = [int(t) for t in ordered[0]]
+    bos = out[0] if out else None
+    while len(out) < length:
+        grew = False
+        for s in [*ordered[1:], ordered[0]]:
+            extra = [int(t) for t in s]
+            if extra and extra[0] == bos:
+                extra = extra[1:]
+            out.extend(extra)
+            grew = grew or bool(extra)
+            if len(out) >= length:
+                break
+        if not grew:
+            break
+    return out[:length]
+
+
+def _prefix(table: TokenLogprobs, n: int) -> TokenLogprobs:
+    """The reference's rows of the first ``n`` tokens (causal: equal to scoring the prefix)."""
+    cut = lambda a: None if a is None else a[:n]  # noqa: E731
+    return TokenLogprobs(table.tokens[:n], table.vocab_size, cut(table.logprobs), cut(table.topk_ids),
+                         cut(table.topk_logprobs), present=cut(table.present), ambiguous=cut(table.ambiguous))
+
+
+def check_prefill_lengths(engine: Engine, sequence: Sequence[int], reference: TokenLogprobs, baseline: Baseline,
+                          tolerance: LogitTolerance, marks: Sequence[Landmark], top_k: int = 20) -> Result:
+    """Score each sweep length's prefix of ``sequence`` on ``engine`` and judge it against the
+    reference's rows (``reference`` is the reference's table of the whole ``sequence``)."""
+    lengths = [n for n in sweep_lengths(marks) if n <= len(sequence)]
+    if not lengths:
+        return skipped(CHECK, "prefill", f"no landmark length below the {len(sequence)}-token sweep sequence")
+    limit = tolerance.multiple * baseline.kl_mean + tolerance.kl_floor
+    max_limit = max(tolerance.multiple * baseline.kl_p99 + tolerance.kl_p99_floor, limit)
+    rows: list[dict] = []
+    refused = None
+    for n in lengths:
+        try:
+            table = engine.score(list(sequence[:n]), top_k=top_k)
+        except Unsupported as why:
+            refused = f"{n} tokens refused ({why})"
+            break
+        m = collect([(_prefix(reference, n), table)])
+        if m.n == 0:
+            continue
+        kl = np.nan_to_num(m.kl, nan=np.inf)
+        mean, p99 = float(np.mean(kl)), float(np.percentile(kl, 99))
+        rows.append({"length": n, "mean_kl": mean, "p99_kl": p99, "max_kl": float(np.max(kl)),
+                     "ok": bool(mean <= limit and p99 <= max_limit), "onset": _onset(kl > max_limit, m.position)})
+    stats = {"lengths": rows, "kl_limit": limit, "kl_max_limit": max_limit, "baseline": baseline.source}
+    if not rows:
+        return skipped(CHECK, "prefill", "the engine scored none of the sweep lengths" +
+                       (f": {refused}" if refused else ""))
+    judged = ", ".join(str(r["length"]) for r in rows)
+    tail = f"; longer prompts not tried: {refused}" if refused else ""
+    if all(r["ok"] for r in rows):
+        return passed(CHECK, "prefill", f"prompts of {judged} tokens (each landmark b and b + 1) agree with the "
+                                        f"reference (mean KL within {limit:.3g}, 99th percentile within {max_limit:.3g})"
+                                        + tail, stats=stats)
+    return failed(CHECK, *_threshold(rows, marks), stats=stats | {"threshold": _first_failing(rows)})
+
+
+def _onset(bad: np.ndarray, position: np.ndarray) -> int | None:
+    """The first row from which at least half of the rows are over the limit (an isolated
+    near-tie is not an onset), or None."""
+    order = np.argsort(position)
+    bad, position = bad[order], position[order]
+    for j in np.flatnonzero(bad):
+        if bad[j:].mean() >= 0.5:
+            return int(position[j])
+    return None
+
+
+def _first_failing(rows: list[dict]) -> int | None:
+    """The shortest length from which every longer tried length fails (None: not monotone)."""
+    ok = [r["ok"] for r in rows]
+    if ok[-1]:
+        return None
+    i = len(ok) - 1
+    while i > 0 and not ok[i - 1]:
+        i -= 1
+    return rows[i]["length"]
+
+
+def _threshold(rows: list[dict], marks: Sequence[Landmark]) -> tuple[str, str]:
+    """(component, message) for a failing sweep."""
+    fails = [r["length"] for r in rows if not r["ok"]]
+    passes = [r["length"] for r in rows if r["ok"]]
+    first = _first_failing(rows)
+    if not passes:
+        return "output", (f"prompts of every length tried ({fails[0]}..{fails[-1]} tokens) disagree with the "
+                          "reference: the fault does not depend on the prompt's length")
+    if first is None or max(passes) > first:
+        return "prefill", (f"prompts of {', '.join(map(str, fails))} tokens disagree with the reference and "
+                           f"{', '.join(map(str, passes)) or 'none'} agree: no single length threshold")
+    last_ok = max(p for p in passes if p < first)
+    row = next(r for r in rows if r["length"] == first)
+    failing = f"{', '.join(map(str, fails))} fail; at {first}: mean KL {row['mean_kl']:.3g}, p99 {row['p99_kl']:.3g}"
+    onset = row["onset"]
+    if onset is not None and onset > 0:  # the first rows agree: the fault follows the position
+        mark = next((m for m in marks if m.length == onset), None)
+        where = f"at {mark.what}" if mark else "not at a known landmark"
+        return (mark.component if mark else "prefill",
+                f"prompts of up to {last_ok} tokens agree with the reference, longer ones do not ({failing}): "
+                f"from position {onset} on, the rows before it agree (the fault follows the position, not the "
+                f"prompt's length); position {onset} is {where}")
+    mark = next((m for m in marks if m.length == last_ok), None) if first == last_ok + 1 else None
+    where = f"at {mark.what}" if mark else f"between {last_ok} and {first} tokens, not at one known landmark"
+    return (mark.component if mark else "prefill",
+            f"prompts of up to {last_ok} tokens agree with the reference, prompts of {first} tokens or more do not "
+            f"({failing}), at every position, the first ones included (the length switches the whole prompt's "
+            f"path); the threshold is {where}")
