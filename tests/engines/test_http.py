@@ -151,3 +151,19 @@ def test_bad_spec_is_a_usage_error():
 
     with pytest.raises(UsageError, match="unknown server kind"):
         open_engine("http://127.0.0.1:1/v1?kind=tgi", None)
+
+
+def test_a_context_refusal_is_unsupported_not_an_unreachable_engine():
+    """vLLM answers a prompt that fills max_model_len with HTTP 400 "max_tokens must be at least
+    1" (seen on the real server, tests/engines/test_vllm.py): the check that asked skips that
+    length; any other 4xx still ends the run as an unreachable / refusing engine."""
+    from ggufcheck.engines.base import Unsupported
+    from ggufcheck.engines.http import HttpStatusError, _context_refusal_is_unsupported
+
+    with pytest.raises(Unsupported, match="600 tokens"):
+        with _context_refusal_is_unsupported(600):
+            raise HttpStatusError(400, 'POST /v1/completions answered HTTP 400: {"error": {"message": '
+                                       '"max_tokens must be at least 1, got 0."}}')
+    with pytest.raises(HttpStatusError):
+        with _context_refusal_is_unsupported(6):
+            raise HttpStatusError(400, "POST /v1/completions answered HTTP 400: unknown model")

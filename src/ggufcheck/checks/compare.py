@@ -183,7 +183,8 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
             if first is not None:
                 prefill.stats["first_divergence"] = first
                 prefill.message += "; " + first["text"]
-        sweep = _sweep(engine, seqs, generations, reference_score, baseline, options, say) if options.sweep_to else None
+        sweep = (_sweep(engine, seqs, generations, reference_score, baseline, options, say, baseline_engine)
+                 if options.sweep_to else None)
         if sweep is not None:
             logits_stage.add(sweep)
         logits_stage.info["per_position"] = per_position(metrics, judged_refs, judged_tables,
@@ -225,7 +226,7 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
 
 
 def _sweep(engine: Engine, seqs, generations, reference_score, baseline: Baseline, options: CompareOptions,
-           say: Progress) -> Result:
+           say: Progress, baseline_engine: Engine | None = None) -> Result:
     """The prefill length sweep (checks.lengths) on one long sequence built from the prompts."""
     from ggufcheck.checks.lengths import check_prefill_lengths, landmarks, sweep_sequence
 
@@ -238,8 +239,9 @@ def _sweep(engine: Engine, seqs, generations, reference_score, baseline: Baselin
         return skipped("logits.prefill_lengths", "prefill",
                        f"the prompts make only {len(sequence)} tokens: below every landmark length")
     say(f"sweeping prompt lengths up to {len(sequence)} tokens across {len(marks)} landmarks")
+    measured = baseline_engine.score(sequence) if baseline_engine is not None else None
     return check_prefill_lengths(engine, sequence, reference_score(sequence), baseline, options.tolerance, marks,
-                                 options.top_k)
+                                 options.top_k, measured=measured)
 
 
 def _score_what_the_engine_takes(engine: Engine, seqs: list[list[int]], top_k: int):

@@ -41,7 +41,7 @@ Shapes: residuals, attention and FFN outputs [T, D]; router ids [T, K]; top-k [T
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -65,6 +65,9 @@ class LayerOptions:
     """Thresholds of the layers stage (module docstring says how each is used)."""
 
     multiple: float = 10.0  # engine error may be this many times the fp32 baseline error
+    # ... or this many times the error of a baseline run that emulates the engine's precision
+    # class (reference.precision): that one is already the size of a correct engine's error
+    emulated_multiple: float = 3.0
     floor: float = 2e-6  # relative error always accepted (about 16 fp32 roundings)
     # Activation classes whose rounding a reference run cannot reproduce: relative error
     # accepted regardless of the baseline. ``allowances``: one block replayed on the engine's
@@ -247,6 +250,9 @@ def run_layers_stage(engine, reference, tokens_list: Sequence[Sequence[int]], ba
     baselines; without it only the floor and the activation class allowance apply.
     """
     opts = options or LayerOptions()
+    emulation = getattr(baseline_reference, "emulation", None)
+    if emulation is not None:
+        opts = replace(opts, multiple=opts.emulated_multiple)
     report = StageReport(STAGE)
     caps = engine.capabilities
     kinds = set(caps.layer_outputs)
@@ -307,7 +313,9 @@ def run_layers_stage(engine, reference, tokens_list: Sequence[Sequence[int]], ba
                        allowance=allowance,
                        residual_allowance=residual_allowance,
                        activation_dtype=caps.activation_dtype, prompts=len(seqs),
-                       baseline="fp32 reference vs fp64" if baseline_reference is not None else "none (floor only)")
+                       baseline=("none (floor only)" if baseline_reference is None else
+                                 f"fp32 reference emulating {emulation.describe()} vs fp64" if emulation is not None
+                                 else "fp32 reference vs fp64"))
 
     first = next((row["layer"] for row in per_layer if not row["error"] <= row["limit"]), None)
     if first is None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from ggufcheck.arch.spec import ArchSpec, Finding, GenericSpec, build_spec
+from ggufcheck.arch.spec import ArchSpec, GenericSpec, build_spec
 from ggufcheck.arch.table import TensorTable, expected_tensors
 from ggufcheck.arch.tables import table_for
 from ggufcheck.results import Result, failed, passed, skipped
@@ -72,10 +72,6 @@ def mapping_stage(model: "GGUFModel") -> list[Result]:
 
     spec, findings = build_spec(model.metadata, model.tensors.keys())
     return spec_results(spec, findings) + check_mapping(model, spec, table_for(spec) if spec else None)
-
-
-def finding_results(findings: list[Finding]) -> list[Result]:
-    return [f.to_result() for f in findings]
 
 
 # --- helpers ------------------------------------------------------------------------------

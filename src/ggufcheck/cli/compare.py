@@ -92,6 +92,18 @@ def _options(args: argparse.Namespace) -> CompareCliOptions:
                              args.paths, args.sanity, args.verbose, args.decode_to, args.sweep_to)
 
 
+def _emulation(spec: str, engine, model: Path) -> dict:
+    """A reference baseline rounds as the engine's precision class does (reference.precision)."""
+    if spec.split(":")[0] != "reference":
+        return {}
+    from ggufcheck.gguf.reader import open_gguf
+    from ggufcheck.reference.precision import emulation_of, matmul_weight_types
+
+    with open_gguf(model) as gguf:
+        emulation = emulation_of(engine.capabilities, matmul_weight_types(gguf.tensors))
+    return {"emulate": emulation} if emulation is not None else {}
+
+
 def _prompt_texts(options: CompareCliOptions) -> list[str]:
     from ggufcheck.checks.prompts import builtin_prompts, load_prompts
 
@@ -162,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
             spec = "reference:fp32" if options.baseline == "auto" else options.baseline
             if not (options.baseline == "auto" and reference.capabilities.activation_dtype == "fp32"):
                 try:
-                    baseline = open_engine(spec, options.model)
+                    baseline = open_engine(spec, options.model, **_emulation(spec, engine, options.model))
                     engines.append(baseline)
                 except GGUFCheckError as err:
                     say(f"baseline {spec} unavailable ({err.message}); using stated allowances")

@@ -126,9 +126,21 @@ class _Context:
             from ggufcheck.engines.spec import open_engine
 
             spec = self.options.baseline
-            semantics = self.semantics() if spec.split(":")[0] == "reference" else {}
-            self._baseline = open_engine(spec, self.options.model, **semantics)
+            kwargs = {}
+            if spec.split(":")[0] == "reference":  # the engine's semantics, rounding as its class does
+                kwargs = {**self.semantics(), **self.emulation()}
+            self._baseline = open_engine(spec, self.options.model, **kwargs)
         return self._baseline
+
+    def emulation(self) -> dict:
+        """``emulate=`` for a reference baseline: the engine's precision class (reference.precision)."""
+        from ggufcheck.reference.precision import emulation_of, matmul_weight_types
+
+        engine = self._engine if self._engine is not None else (self.engine() if self.options.engine else None)
+        if engine is None:
+            return {}
+        emulation = emulation_of(engine.capabilities, matmul_weight_types(self.open_model().tensors))
+        return {"emulate": emulation} if emulation is not None else {}
 
     def tokens(self) -> list[list[int]]:
         if self._tokens is None:

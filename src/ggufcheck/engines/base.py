@@ -84,6 +84,10 @@ class Capabilities:
     # "fp64", "fp32", "bf16", "fp16", or "q8" (llama.cpp CPU quantizes activations to
     # 8-bit blocks before quantized matmuls).
     activation_dtype: str = "fp32"
+    # Where the engine rounds, when it knows (a baseline run emulates it: reference.precision):
+    # "activations" (a matmul's input), "outputs" (its result), "kv" (the cache) -> "q8_0",
+    # "q8_k", "f16" or "bf16". Empty: derived from activation_dtype.
+    rounding: Mapping[str, str] = field(default_factory=dict)
     reasons: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
     def why_not(self, capability: str) -> str:

@@ -20,6 +20,8 @@ down, too slow or answers malformed JSON raises :class:`EngineUnreachable` (exit
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import json
 import math
 import socket
@@ -101,6 +103,26 @@ class HttpStatusError(EngineUnreachable):
     def __init__(self, code: int, message: str):
         super().__init__(message)
         self.code = code
+
+
+# what servers say when a request is longer than their context (vLLM: "max_tokens must be at
+# least 1" when the prompt fills max_model_len, "maximum context length"; llama-server:
+# "exceeds the available context size"; llama-cpp-python: "Requested tokens ... exceed context")
+_CONTEXT_REFUSALS = ("max_tokens must be at least 1", "maximum context length", "context size",
+                     "exceed context", "context window", "too long")
+
+
+@contextmanager
+def _context_refusal_is_unsupported(n_tokens: int):
+    """A 400 that says the request does not fit the server's context is :class:`Unsupported`
+    (the check that asked says which length and why), not an unreachable engine."""
+    try:
+        yield
+    except HttpStatusError as err:
+        if err.code == 400 and any(s in str(err).lower() for s in _CONTEXT_REFUSALS):
+            raise Unsupported(f"the server refused {n_tokens} tokens as longer than its context: "
+                              f"{str(err)[-160:]}") from None
+        raise
 
 
 def _is_timeout(reason: object) -> bool:
@@ -277,17 +299,19 @@ class HttpEngine(Engine):
     def score(self, tokens: Sequence[int], *, top_k: int | None = None) -> TokenLogprobs:
         tokens = [int(t) for t in tokens]
         k = min(top_k or self.options.top_k, self.options.top_k)
-        if self.kind == "vllm":
-            return self._score_vllm([tokens], k)[0]
-        if self.kind == "llama-cpp-python":
-            return self._score_llama_cpp_python(tokens, k)
-        return self._score_llama_server(tokens, k)
+        with _context_refusal_is_unsupported(len(tokens)):
+            if self.kind == "vllm":
+                return self._score_vllm([tokens], k)[0]
+            if self.kind == "llama-cpp-python":
+                return self._score_llama_cpp_python(tokens, k)
+            return self._score_llama_server(tokens, k)
 
     def score_batch(self, batch: Sequence[Sequence[int]], *, top_k: int | None = None) -> list[TokenLogprobs]:
         if self.kind != "vllm":
             raise Unsupported(self.capabilities.why_not("batch"))
-        return self._score_vllm([[int(t) for t in s] for s in batch], min(top_k or self.options.top_k,
-                                                                         self.options.top_k))
+        with _context_refusal_is_unsupported(max((len(s) for s in batch), default=0)):
+            return self._score_vllm([[int(t) for t in s] for s in batch], min(top_k or self.options.top_k,
+                                                                             self.options.top_k))
 
     def _score_llama_cpp_python(self, tokens: list[int], k: int) -> TokenLogprobs:
         body = {"prompt": self._text_of(tokens), "max_tokens": 1, "temperature": 0.0, "echo": True,
@@ -391,6 +415,10 @@ class HttpEngine(Engine):
 
     # ---- generation ------------------------------------------------------------------------
     def generate(self, prompt: Sequence[int], max_new_tokens: int, *, top_k: int | None = None) -> Generation:
+        with _context_refusal_is_unsupported(len(prompt) + max_new_tokens):
+            return self._generate(prompt, max_new_tokens, top_k=top_k)
+
+    def _generate(self, prompt: Sequence[int], max_new_tokens: int, *, top_k: int | None = None) -> Generation:
         prompt = [int(t) for t in prompt]
         k = min(top_k or self.options.top_k, self.options.top_k)
         n = len(prompt) + max_new_tokens

@@ -66,6 +66,28 @@ def activation_class(model_path: str | Path) -> str:
     return {"F32": "fp32", "F16": "fp16", "BF16": "bf16"}.get(dominant, "q8")
 
 
+def rounding(model_path: str | Path, params: Any) -> dict[str, str]:
+    """Where llama.cpp on CPU rounds (Capabilities.rounding): activations to the dominant
+    weight type's vec_dot_type (Q8_0 blocks for Q4_0..Q8_0, Q8_K for K-quants, f16 / bf16 for
+    F16 / BF16 weights), the KV cache to type_k / type_v (f16 by default; a quantized cache
+    as 8-bit blocks, an approximation)."""
+    from collections import Counter
+
+    from ggufcheck.gguf.reader import open_gguf
+
+    with open_gguf(model_path) as model:
+        types = Counter(t.qtype.name for t in model.tensors.values() if t.name.startswith("blk.") and len(t.ne) >= 2)
+    dominant = types.most_common(1)[0][0] if types else "F32"
+    out = {}
+    if dominant != "F32":
+        out["activations"] = {"F16": "f16", "BF16": "bf16"}.get(
+            dominant, "q8_k" if dominant.endswith("_K") else "q8_0")
+    kv = {0: None, 1: "f16", 30: "bf16"}.get(int(params.type_k), "q8_0")
+    if kv is not None:
+        out["kv"] = kv
+    return out
+
+
 # numerical classes from finest to coarsest (the allowance of the coarsest applies)
 CLASS_ORDER = ("fp64", "fp32", "fp16", "bf16", "q8")
 GGML_TYPE_CLASS = {0: "fp32", 1: "fp16", 30: "bf16"}  # KV cache types; any other (Q8_0, Q4_0, ...) is q8
@@ -132,7 +154,7 @@ class LlamaCppEngine(Engine):
             batch=False, chunked_prefill=True,
             layer_outputs=frozenset(NODE_KINDS.values()),
             activation_dtype=coarsest(activation_class(self.model_path), context_class(self._llm.context_params)),
-            max_sequence=n_ctx,
+            max_sequence=n_ctx, rounding=rounding(self.model_path, self._llm.context_params),
             # llama-cpp-python feeds a prompt in pieces of n_batch; llama.cpp splits each into
             # micro-batches of n_ubatch
             prefill_micro_batch=min(n_batch, int(self._llm.context_params.n_ubatch) or n_batch),

@@ -35,7 +35,9 @@ class ReferenceEngine(GGUFVocabTokenizer, Engine):
         # through attention, so those rows are ambiguous too
         self.exact_ties_onward = False
         self.vocab_size = int(self.model.gguf.tensors["token_embd.weight"].shape[0])
-        self.name = f"reference {dtype} ({Path(model_path).name})"
+        emulation = self.model.emulation
+        self.name = (f"reference {dtype} emulating {emulation.describe()} ({Path(model_path).name})"
+                     if emulation is not None else f"reference {dtype} ({Path(model_path).name})")
         self._tokenizer = None
         tokenizer_ok, why = self._load_tokenizer()
         self.capabilities = Capabilities(

@@ -364,6 +364,7 @@ class VllmEngine(Engine):
             chunked_prefill=bool(hello.get("chunking")),
             layer_outputs=frozenset(k for k in hello.get("kinds", []) if k in LAYER_KINDS),
             weights=True, tp_size=options.tp, activation_dtype=act, weight_layout="checkpoint",
+            max_sequence=options.max_model_len - 1,  # a score asks for one more token's logits
             reasons=reasons(chunked_prefill=str(hello.get("chunking_why", ""))),
         )
         self._compat = compat

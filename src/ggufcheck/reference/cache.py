@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ggufcheck.reference.precision import current as current_emulation
+from ggufcheck.reference.precision import round_as
+
 
 @dataclass
 class LayerCache:
@@ -25,7 +28,11 @@ class LayerCache:
     tensors: dict[str, Tensor] = field(default_factory=dict)
 
     def extend(self, name: str, new: Tensor) -> Tensor:
-        """Append ``new`` [T, ...] to the cached [S, ...] and return all [S + T, ...]."""
+        """Append ``new`` [T, ...] to the cached [S, ...] and return all [S + T, ...] (stored
+        rounded as an emulated engine's KV cache would be: precision.py)."""
+        emulation = current_emulation()
+        if emulation is not None:
+            new = round_as(new, emulation.kv)
         old = self.tensors.get(name)
         self.tensors[name] = new if old is None else torch.cat((old, new), dim=0)
         return self.tensors[name]

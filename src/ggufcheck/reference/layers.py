@@ -16,6 +16,8 @@ import torch
 from torch import Tensor
 
 from ggufcheck.reference.config import ReferenceConfig, YarnConfig
+from ggufcheck.reference.precision import current as current_emulation
+from ggufcheck.reference.precision import round_as
 
 # --- norms ---------------------------------------------------------------------------
 
@@ -114,8 +116,13 @@ def attention(
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x [.., in] @ W[out, in].T (+ b): the GGUF [out, in] layout is torch's Linear layout."""
-    return torch.nn.functional.linear(x, weight, bias)
+    """x [.., in] @ W[out, in].T (+ b): the GGUF [out, in] layout is torch's Linear layout.
+    (Rounded as an engine's class would, while the reference emulates one: precision.py.)"""
+    emulation = current_emulation()
+    if emulation is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    y = torch.nn.functional.linear(round_as(x, emulation.activations), weight, bias)
+    return round_as(y, emulation.outputs)
 
 
 def swiglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:

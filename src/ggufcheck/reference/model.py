@@ -28,7 +28,8 @@ from ggufcheck.errors import UsageError
 from ggufcheck.gguf.reader import GGUFModel, open_gguf
 from ggufcheck.reference.cache import KVCache, LayerOutput
 from ggufcheck.reference.config import ReferenceConfig, config_from_gguf
-from ggufcheck.reference.layers import rms_norm, rope_cos_sin, rope_inv_freq
+from ggufcheck.reference.layers import linear, rms_norm, rope_cos_sin, rope_inv_freq
+from ggufcheck.reference.precision import Emulation, emulating
 from ggufcheck.reference.weights import WeightStore
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
@@ -65,6 +66,8 @@ class ReferenceModel:
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise UsageError("--device cuda: torch has no CUDA device here", tip="use --device cpu")
+        # an engine's precision class to emulate (precision.py): the baseline run's rounding
+        self.emulation: Emulation | None = options.pop("emulate", None)
         cfg = config_from_gguf(self.gguf.metadata, self.gguf.tensors, str(self.gguf.path))
         self.cfg: ReferenceConfig = cfg.with_options(**options) if options else cfg
         self.streaming = _auto_streaming(self.gguf, self.dtype) if streaming is None else streaming
@@ -126,7 +129,8 @@ class ReferenceModel:
     def _layer(self, i: int, h: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache, shared: dict,
                release: bool = True) -> LayerOutput:
         w = self.weights.layer(i)
-        out = self.family.forward_layer(self.cfg, i, w, h, self.rope(q_pos), q_pos, k_pos, cache.layer(i), shared)
+        with emulating(self.emulation):
+            out = self.family.forward_layer(self.cfg, i, w, h, self.rope(q_pos), q_pos, k_pos, cache.layer(i), shared)
         del w
         if release:
             self.weights.release(i)
@@ -135,7 +139,8 @@ class ReferenceModel:
     def head(self, hidden: Tensor) -> Tensor:
         """Final norm and output head: residual [T, D] -> logits [T, vocab]."""
         x = rms_norm(hidden, self.weights.global_tensor("output_norm.weight"), self.cfg.rms_eps)
-        chunks = [x @ w.T for _, w in self.weights.head_chunks(HEAD_CHUNK_ROWS)]  # [T, rows] each
+        with emulating(self.emulation):
+            chunks = [linear(x, w) for _, w in self.weights.head_chunks(HEAD_CHUNK_ROWS)]  # [T, rows] each
         return torch.cat(chunks, dim=-1)
 
     # -- whole passes ----------------------------------------------------------------

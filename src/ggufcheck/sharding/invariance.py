@@ -31,7 +31,7 @@ from ggufcheck.results import Result, errored, failed, passed, skipped
 from ggufcheck.sharding import collectives
 from ggufcheck.sharding.dist import DistOptions, LocalContext, RanksFailed, resolve_backend, run_ranks
 from ggufcheck.sharding.mla import VLLM_LAYOUT, KvBLayout
-from ggufcheck.sharding.parallel import LayerJob, RunPayload, rank_run, rope_tables, run_job
+from ggufcheck.sharding.parallel import ExpertSubset, LayerJob, RunPayload, rank_run, rope_tables, run_job
 from ggufcheck.sharding.plan import kind_problems
 from ggufcheck.sharding.rules import Loader, ShardRule, pad_vocab, shard
 
@@ -168,48 +168,54 @@ class LayerTooLarge(Exception):
         super().__init__(f"{n_elements:,} weights in fp64 exceed the CPU budget of {budget:,} elements")
 
 
-def gguf_layer_weights(model: Any, dtype: torch.dtype = torch.float64,
-                       max_elements: int = 400_000_000) -> Any:
-    """``layer_weights(layer, prefixes)`` over an open GGUF: dequantized full tensors by short
-    name (``blk.{layer}.`` removed; layer None = global tensors; ``rope_freqs`` is global).
-    Raises :class:`LayerTooLarge` BEFORE reading anything when the selection is too big."""
-    from ggufcheck.gguf.dequant import dequantize_tensor
+class GGUFLayerWeights:
+    """``weights(layer, prefixes)`` over an open GGUF: dequantized full tensors by short name
+    (``blk.{layer}.`` removed; layer None = global tensors; ``rope_freqs`` is global). Raises
+    :class:`LayerTooLarge` BEFORE reading anything when the selection is too big; stacked
+    experts are read one expert at a time (:meth:`experts`)."""
 
-    def layer_weights(layer: int | None, prefixes: tuple[str, ...]) -> dict[str, Tensor]:
+    def __init__(self, model: Any, dtype: torch.dtype = torch.float64, max_elements: int = 400_000_000):
+        self.model, self.dtype, self.max_elements = model, dtype, max_elements
+
+    def __call__(self, layer: int | None, prefixes: tuple[str, ...]) -> dict[str, Tensor]:
+        from ggufcheck.gguf.dequant import dequantize_tensor
+
         chosen = {}
         head = f"blk.{layer}." if layer is not None else ""
-        for name in model.tensors:
+        for name in self.model.tensors:
             if layer is not None and name.startswith("rope_freqs") and "rope_freqs" in prefixes:
                 chosen[name] = name
             elif (layer is None) == (not name.startswith("blk.")) and name.startswith(head) \
                     and name[len(head):].startswith(prefixes):
                 chosen[name[len(head):]] = name
-        n_el = sum(model.tensors[n].n_elements for n in chosen.values())
-        if n_el > max_elements:
-            raise LayerTooLarge(n_el, max_elements)
-        return {short: dequantize_tensor(model, name, dtype=dtype) for short, name in chosen.items()}
+        n_el = sum(self.model.tensors[n].n_elements for n in chosen.values())
+        if n_el > self.max_elements:
+            raise LayerTooLarge(n_el, self.max_elements)
+        return {short: dequantize_tensor(self.model, name, dtype=self.dtype) for short, name in chosen.items()}
 
-    def experts(layer: int, short: str, used: list[int]) -> ExpertSubset | None:
+    def experts(self, layer: int, short: str, used: list[int]) -> ExpertSubset | None:
         """Experts ``used`` of stacked ``blk.{layer}.{short}`` [E, A, B], read row-wise."""
-        from ggufcheck.sharding.parallel import ExpertSubset
+        from ggufcheck.gguf.dequant import dequantize_tensor
 
         name = f"blk.{layer}.{short}"
-        info = model.tensors.get(name)
+        info = self.model.tensors.get(name)
         if info is None:
             return None
         _, a, b = info.shape
-        parts = {e: dequantize_tensor(model, name, rows=slice(e * a, (e + 1) * a), dtype=dtype).reshape(a, b)
-                 for e in used}  # [A, B] each
+        parts = {e: dequantize_tensor(self.model, name, rows=slice(e * a, (e + 1) * a), dtype=self.dtype)
+                 .reshape(a, b) for e in used}  # [A, B] each
         return ExpertSubset(info.shape, parts)
 
-    def expert_elements(layer: int, short: str) -> int:
+    def expert_elements(self, layer: int, short: str) -> int:
         """Elements of ONE expert of ``blk.{layer}.{short}`` (0 when absent)."""
-        info = model.tensors.get(f"blk.{layer}.{short}")
+        info = self.model.tensors.get(f"blk.{layer}.{short}")
         return 0 if info is None else info.n_elements // info.shape[0]
 
-    layer_weights.experts = experts
-    layer_weights.expert_elements = expert_elements
-    return layer_weights
+
+def gguf_layer_weights(model: Any, dtype: torch.dtype = torch.float64,
+                       max_elements: int = 400_000_000) -> GGUFLayerWeights:
+    """The layer weights of an open GGUF (:class:`GGUFLayerWeights`)."""
+    return GGUFLayerWeights(model, dtype, max_elements)
 
 
 # --- the unsharded side ---------------------------------------------------------------------

@@ -71,13 +71,11 @@ from ggufcheck.sharding.faults import (  # noqa: F401 - re-exported: the layouts
     kv_b_layout_patch,
     rebuild_v_then_k,
 )
-from ggufcheck.sharding.mla import KvBLayout, rank_uk_uv, split_uk_uv
 
 Weights = dict[str, Tensor]
 MLA_ARCHS = frozenset({"deepseek2", "glm-dsa"})
 MOE_ARCHS = frozenset({"deepseek2", "glm-dsa", "glm4moe"})
 ALL_ARCHS = frozenset({"llama", "qwen2", "qwen3", "glm4moe", "deepseek2", "glm-dsa"})
-COMMON_EPS = (1e-5, 1e-6)  # the RMS eps values real configs use; a wrong one is usually the other
 
 
 # ----------------------------------------------------------------------------- the patch

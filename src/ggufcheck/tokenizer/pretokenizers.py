@@ -244,11 +244,6 @@ UNSUPPORTED = {
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {name: row for row in _ROWS for name in row.names}
 
 
-def supported_pre_names() -> list[str]:
-    """Every ``tokenizer.ggml.pre`` value ggufcheck can split (sorted; "" means absent)."""
-    return sorted(PRE_TOKENIZERS)
-
-
 @lru_cache(maxsize=None)
 def _compiled(regexes: tuple[str, ...]) -> tuple[Any, ...]:
     try:

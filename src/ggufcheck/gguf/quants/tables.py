@@ -18,13 +18,10 @@ from gguf.constants import GGML_QUANT_SIZES
 
 Q = gguf.GGMLQuantizationType
 
-QK_K = 256  # elements per K-quant / IQ super-block
-
 # ggml's kvalues_iq4nl: the 16 non-linear levels of an IQ4 nibble
 IQ4_LEVELS = np.array((-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113), np.int8)
 # E2M1 values doubled (ggml's kvalues_mxfp4), shared by MXFP4 and NVFP4
 FP4_LEVELS = np.array((0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12), np.int8)
-IQ1_DELTA = np.float32(0.125)  # ggml's IQ1S_DELTA
 
 # byte offsets of the float16 scale fields inside one block (gguf-py's block layouts); IQ1_M
 # spreads its scale over four nibbles and has no entry

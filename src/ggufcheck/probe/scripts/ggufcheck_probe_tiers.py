@@ -289,7 +289,5 @@ def topk_compare(margin_of: Callable[[Any, Any, dict], float]):
 
 
 def _duplicates(idx) -> int:
-    import torch
-
     s, _ = idx.sort(dim=-1)
     return int((s[..., 1:] == s[..., :-1]).sum()) if s.shape[-1] > 1 else 0
