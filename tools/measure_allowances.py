@@ -1,7 +1,7 @@
 """Measure a correct bf16 / fp16 engine's error, and the faults' errors, against the allowances.
 
 Why: the reference computes in fp32 / fp64 only, so for bf16, fp16 and 8-bit engines the
-checks fall back on *stated* allowances (``checks/logits.py`` ALLOWANCES, ``checks/layers.py``
+checks fall back on *stated* allowances (``checks/logits.py`` ALLOWANCES, ``checks/layers/options.py``
 LayerOptions.allowances / residual_allowances). An allowance is right when a healthy engine of
 its class stays well under it and a real fault lands well over it. This script measures both
 sides on the same prompts:

@@ -5,7 +5,7 @@ numbers (kq_scale, YaRN correction dims) against ``shared/docs/architectures.md`
 need the real dimensions. Each function returns a fresh metadata dict with exactly the
 keys the converter writes for that model (conversion/deepseek.py DeepseekV2Model and
 conversion/glm.py GlmMoeDsaModel in llama.cpp), built from the numbers in
-architectures.md sec 3 and 5. Feed it to :func:`ggufcheck.arch.spec.spec_from_metadata`.
+docs/architectures.md sec 3 and 5. Feed it to :func:`ggufcheck.arch.spec.spec_from_metadata`.
 """
 
 from __future__ import annotations

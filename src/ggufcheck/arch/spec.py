@@ -40,7 +40,7 @@ NEXTN_ARCHS = ("glm4moe", "deepseek2", "glm-dsa")
 
 
 class Pairing(str, enum.Enum):
-    """Which dims RoPE rotates together (architectures.md sec 2)."""
+    """Which dims RoPE rotates together (docs/architectures.md sec 2)."""
 
     NORM = "norm"  # ggml mode 0, interleaved: (x[2i], x[2i+1])
     NEOX = "neox"  # (x[i], x[i + n_rot/2])
@@ -53,7 +53,7 @@ class Gating(str, enum.Enum):
     SIGMOID = "sigmoid"
 
 
-# architectures.md sec 2 table
+# docs/architectures.md sec 2 table
 PAIRING = {
     "llama": Pairing.NORM,  # on q/k rows the converter permuted (llama.py LlamaModel.permute)
     "qwen2": Pairing.NEOX,
@@ -77,7 +77,7 @@ GLM_5_2_CONTEXT = 1 << 20
 
 @dataclass(frozen=True)
 class Rope:
-    """RoPE and its scaling (architectures.md sec 2)."""
+    """RoPE and its scaling (docs/architectures.md sec 2)."""
 
     base: float
     n_rot: int  # dims rotated per head; dims at or past n_rot pass through
@@ -119,7 +119,7 @@ class Rope:
 
 @dataclass(frozen=True)
 class MLA:
-    """Multi-head latent attention dims (deepseek2, glm-dsa; architectures.md sec 3)."""
+    """Multi-head latent attention dims (deepseek2, glm-dsa; docs/architectures.md sec 3)."""
 
     q_lora_rank: int | None  # None: plain attn_q (DeepSeek-V2-Lite)
     kv_lora_rank: int  # L
@@ -135,7 +135,7 @@ class MLA:
 
 @dataclass(frozen=True)
 class MoE:
-    """Routed and shared experts, router semantics (architectures.md sec 3, router)."""
+    """Routed and shared experts, router semantics (docs/architectures.md sec 3, router)."""
 
     n_expert: int  # E
     n_used: int  # K
@@ -151,7 +151,7 @@ class MoE:
 
 @dataclass(frozen=True)
 class Indexer:
-    """DeepSeek Sparse Attention indexer (glm-dsa; architectures.md sec 5)."""
+    """DeepSeek Sparse Attention indexer (glm-dsa; docs/architectures.md sec 5)."""
 
     n_head: int  # Hi
     head_dim: int  # Di

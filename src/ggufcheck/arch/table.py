@@ -33,7 +33,7 @@ PARTS = ("global", "attn", "dense_ffn", "moe", "indexer", "nextn")
 
 
 class ShardKind(str, enum.Enum):
-    """How vLLM splits a tensor under tensor parallelism (architectures.md sec 7)."""
+    """How vLLM splits a tensor under tensor parallelism (docs/architectures.md sec 7)."""
 
     COLUMN = "column"  # output rows split; no all-reduce
     ROW = "row"  # input columns split, then all-reduce

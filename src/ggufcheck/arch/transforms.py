@@ -4,7 +4,7 @@ A tensor table row names its transform by key (:data:`TRANSFORMS`). Every transf
 the GGUF tensors of one group (by role, e.g. ``k_b`` and ``v_b``) to HF tensors (by full
 HF name) and back; both directions are pure reshapes, permutations, stacks and
 concatenations, so GGUF -> HF -> GGUF is bit-exact (tests/arch/test_transforms.py).
-Transforms run on dequantized values: a transpose crosses quant blocks (architectures.md
+Transforms run on dequantized values: a transpose crosses quant blocks (docs/architectures.md
 sec 3: dequantize k_b and v_b first).
 
 Dims: H heads, hd head dim, L kv_lora_rank, P qk_nope, V v_head, E experts, Fe expert FFN,

@@ -16,7 +16,7 @@ A missing reference or capability SKIPs the checks that need it, with the reason
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import math
 
@@ -38,6 +38,9 @@ from ggufcheck.checks.paths import first_divergence, landmarks, PathOptions, run
 from ggufcheck.checks.sanity import SanityLimits, run_sanity
 from ggufcheck.engines.base import Engine, TokenLogprobs, Unsupported
 from ggufcheck.results import Result, StageReport, Status, failed, passed, skipped
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ggufcheck.diagnose.session import Session
 
 Progress = Callable[[str], None]
 
@@ -381,3 +384,31 @@ def _detokenizer(*engines: Engine) -> Callable[[Sequence[int]], str] | None:
         if e.capabilities.tokenize:
             return e.detokenize
     return None
+
+
+def run(session: "Session") -> list[StageReport]:
+    """The stage entry point (``served``): the session's engine against the reference on its
+    prompts: sanity, logits and paths reports."""
+    from ggufcheck.errors import GGUFCheckError
+
+    o = session.options
+    indexer_top_k = session.indexer_top_k()
+    long_prompt = session.long_prompt(indexer_top_k) if indexer_top_k else None
+    engine, tokens = session.engine(), session.tokens()
+    reference, reason, baseline = None, "--reference none: no reference run", None
+    try:
+        reference = session.reference()
+    except GGUFCheckError as err:  # e.g. an architecture ggufcheck's reference lacks: sanity and paths still run
+        reason = f"the reference is unavailable: {err.message}"
+    if reference is not None:
+        try:
+            baseline = session.baseline()
+        except GGUFCheckError as err:
+            session.say(f"baseline {o.baseline} unavailable ({err.message}); using stated allowances")
+    return run_compare(
+        engine, tokens, reference=reference, reference_reason=reason, baseline_engine=baseline,
+        options=CompareOptions(max_new_tokens=o.new_tokens, run_sanity=o.sanity, run_paths=o.paths,
+                               indexer_top_k=indexer_top_k, top_k=o.top_k, long_decode_to=o.decode_to,
+                               sweep_to=o.sweep_to),
+        progress=session.say, long_prompt=long_prompt,
+    )

@@ -10,11 +10,16 @@ launch fails with "no kernel image is available").
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ggufcheck.probe.runner import ProbeTarget, run_probe
 from ggufcheck.probe.scripts import ggufcheck_fatbin as fatbin
 from ggufcheck.results import Result, StageReport, errored, failed, passed, skipped
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ggufcheck.diagnose.session import Session
 
 DEFAULT_PACKAGES = ("torch", "vllm", "sglang", "flash_attn", "vllm.vllm_flash_attn",
                     "flashinfer", "triton", "transformers", "llama_cpp")
@@ -224,3 +229,17 @@ def _version(text: str) -> tuple[int, ...]:
 def _short(path: str) -> str:
     parts = path.split("/")
     return "/".join(parts[-3:])
+
+
+def run(session: "Session") -> list[StageReport]:
+    """The stage entry point: the target interpreter (and, with ``kernels``, its GPU kernels)."""
+    o = session.options
+    target = ProbeTarget(python=o.python or sys.executable, device=o.device)
+    session.say(f"probing the environment of {target.python}")
+    stages = [run_environment_stage(EnvOptions(target=target))]
+    if o.kernels:
+        from ggufcheck.checks.kernels import KernelOptions, run_kernel_stage
+
+        session.say("running kernels: imports, runs, agrees with fp64")
+        stages.append(run_kernel_stage(KernelOptions(target=target, model=o.model)))
+    return stages

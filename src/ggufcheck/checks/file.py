@@ -11,11 +11,14 @@ import time
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ggufcheck.gguf.health import TensorHealth, scan_model
 from ggufcheck.gguf.reader import GGUFModel, TensorInfo
 from ggufcheck.results import Result, StageReport, failed, passed, skipped
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ggufcheck.diagnose.session import Session
 
 
 @dataclass(frozen=True)
@@ -165,3 +168,9 @@ def _arch_results(model: GGUFModel, options: FileStageOptions) -> list[Result]:
     from ggufcheck.checks.architecture import architecture_results
 
     return architecture_results(model, tp=options.tp)
+
+
+def run(session: "Session") -> list[StageReport]:
+    """The stage entry point: the session's model file."""
+    session.say("checking the file: integrity, metadata, mapping, dequantization health")
+    return [run_file_stage(session.open_model(), FileStageOptions(health=session.options.health))]

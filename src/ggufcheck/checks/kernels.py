@@ -24,7 +24,7 @@ from ggufcheck.results import Result, StageReport, Status, errored
 SRC_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding the ggufcheck package
 MAX_RESTARTS = 4
 
-# Real shapes (architectures.md): DeepSeek-V3 MLA P+R = 192, V = 128; GLM-5 P+R = 256, V = 256;
+# Real shapes (docs/architectures.md): DeepSeek-V3 MLA P+R = 192, V = 128; GLM-5 P+R = 256, V = 256;
 # absorbed decode q/k = L + R = 576 (latent + rope), v = L = 512; GQA 32 heads over 8.
 GPU_ATTENTION = [
     {"name": "mla_prefill_192_128", "h": 16, "g": 16, "t": 1024, "s": 1024, "d": 192, "e": 128, "causal": True},
@@ -50,7 +50,7 @@ def _cpu_shape(shape: dict) -> dict:
 
 @dataclass(frozen=True)
 class ModelShapes:
-    """What the plan needs from a model's metadata (architectures.md key names)."""
+    """What the plan needs from a model's metadata (docs/architectures.md key names)."""
 
     arch: str
     hidden: int
@@ -191,7 +191,7 @@ def attention_shapes(shapes: ModelShapes | None) -> list[dict]:
 # ----------------------------------------------------------------------------- model data
 def model_shapes(model) -> ModelShapes:
     """Shapes from ggufcheck.arch.spec (the one metadata boundary); raw metadata keys
-    (architectures.md) only when no spec can be built for this architecture."""
+    (docs/architectures.md) only when no spec can be built for this architecture."""
     qtypes = tuple(sorted({t.qtype.name for t in model.tensors.values()
                            if t.qtype.name not in ("F32", "F64", "I8", "I16", "I32", "I64")}))
     try:
@@ -288,7 +288,7 @@ def model_data(model, shapes: ModelShapes, plan: list[dict], path: Path, rows: i
         data["weight.linear"] = dequantize_tensor(model, proj.name, rows=slice(0, take)).float()
         notes["linear"] = f"first {take} rows of {proj.name}"
     try:
-        from ggufcheck.probe.activations import real_activations
+        from ggufcheck.reference.activations import real_activations
 
         real, real_notes = real_activations(model.path)
         data.update(real)

@@ -17,7 +17,7 @@ dimensions without the file, with a stated quant mix).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +29,9 @@ from ggufcheck.results import Result, StageReport, errored, skipped
 from ggufcheck.sharding import mla as shard_mla
 from ggufcheck.sharding.plan import plan
 from ggufcheck.sharding.rules import rules_from_table
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ggufcheck.diagnose.session import Session
 
 STAGE = "sharding"
 COMPONENT = "sharding"
@@ -149,3 +152,10 @@ def plan_known(name: str, tp: int, mix: str = "q4_k_m", gpu_memory_gib: float | 
     report.add(plan(spec, rules_from_table(spec, table), tensors, tp, gpu_memory_gib))
     report.add(skipped("sharding.tp", COMPONENT, "numeric TP invariance needs the model file"))
     return report
+
+
+def run(session: "Session") -> list[StageReport]:
+    """The stage entry point: the session's model split ``--tp`` ways."""
+    o = session.options
+    session.say(f"checking tensor-parallel sharding at TP {o.tp}")
+    return [run_sharding_stage(session.open_model(), ShardOptions(tp=o.tp, numeric=o.shard_numeric))]

@@ -14,9 +14,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ggufcheck.checks.compare import CompareOptions, run_compare
-from ggufcheck.engines.spec import SPEC_HELP, open_engine
-from ggufcheck.errors import ExitStatus, GGUFCheckError, UsageError
+from ggufcheck.engines.spec import SPEC_HELP
+from ggufcheck.errors import ExitStatus, UsageError
 from ggufcheck.report.json import report_json, write_json
 from ggufcheck.report.text import render_stage, render_totals
 
@@ -92,112 +91,35 @@ def _options(args: argparse.Namespace) -> CompareCliOptions:
                              args.paths, args.sanity, args.verbose, args.decode_to, args.sweep_to)
 
 
-def _emulation(spec: str, engine, model: Path) -> dict:
-    """A reference baseline rounds as the engine's precision class does (reference.precision)."""
-    if spec.split(":")[0] != "reference":
-        return {}
-    from ggufcheck.gguf.reader import open_gguf
-    from ggufcheck.reference.precision import emulation_of, matmul_weight_types
-
-    with open_gguf(model) as gguf:
-        emulation = emulation_of(engine.capabilities, matmul_weight_types(gguf.tensors))
-    return {"emulate": emulation} if emulation is not None else {}
-
-
-def _prompt_texts(options: CompareCliOptions) -> list[str]:
-    from ggufcheck.checks.prompts import builtin_prompts, load_prompts
-
-    prompts = load_prompts(options.prompts) if options.prompts else builtin_prompts()
-    texts = [p.text for p in prompts]
-    return texts[: options.max_prompts] if options.max_prompts else texts
-
-
-def _indexer_top_k(model_path: Path) -> int | None:
-    from ggufcheck.arch.spec import spec_for_model
-    from ggufcheck.gguf.reader import open_gguf
-
-    with open_gguf(model_path) as model:
-        spec, _ = spec_for_model(model)
-    indexer = getattr(spec, "indexer", None)
-    return getattr(indexer, "top_k", None)
-
-
-def _tokenize(engine, model_path: Path, texts: list[str], limit: int) -> tuple[list[list[int]], str]:
-    if engine.capabilities.tokenize:
-        return [engine.tokenize(t)[:limit] for t in texts], f"{engine.name}'s tokenizer"
-    from ggufcheck.gguf.reader import open_gguf
-    from ggufcheck.tokenizer import load_tokenizer
-
-    with open_gguf(model_path) as model:
-        tok = load_tokenizer(model)
-    return [tok.encode(t, add_special=True, parse_special=True)[:limit] for t in texts], "the GGUF's own tokenizer"
-
-
-def _long_prompt(sequences: list[list[int]], top_k: int | None) -> list[int] | None:
-    """DSA models: a prompt longer than the indexer's top_k (the prompts joined and repeated)."""
-    if top_k is None or not sequences:
-        return None
-    for s in sequences:
-        if len(s) > top_k + 8:
-            return s
-    joined: list[int] = []
-    while len(joined) <= top_k + 32:
-        for s in sequences:
-            joined.extend(s)
-    return joined[: top_k + 32]
-
-
 def run(args: argparse.Namespace) -> int:
+    """The served stage of the diagnosis plan (checks.compare.run) on a session of its own:
+    the same prompts, tokenization, reference, baseline and defaults as ``diagnose``."""
+    from ggufcheck.checks.compare import run as run_served
+    from ggufcheck.diagnose.session import DiagnoseOptions, Session
+
     options = _options(args)
     console = Console(stderr=False)
     say = (lambda msg: console.print(f"[dim]{msg}[/dim]"))
     started = time.perf_counter()
-    engines = []
+    baseline = options.baseline
+    if baseline == "auto":  # a fp32 reference is its own fp32 baseline
+        baseline = "none" if options.reference in ("none", "reference:fp32") else "reference:fp32"
+    session = Session(DiagnoseOptions(
+        model=options.model, engine=options.engine, prompts=options.prompts, max_prompts=options.max_prompts,
+        max_tokens=options.max_tokens, new_tokens=options.new_tokens, decode_to=options.decode_to,
+        sweep_to=options.sweep_to, sanity=options.sanity, top_k=options.top_k, timeout=options.timeout,
+        reference=options.reference, baseline=baseline, paths=options.paths), say)
     try:
-        kwargs = {}
-        if options.engine.startswith(("http://", "https://")):
-            from ggufcheck.engines.http import HttpOptions
-
-            kwargs["http_options"] = HttpOptions(timeout_s=options.timeout, top_k=options.top_k)
-        say(f"opening engine {options.engine}")
-        engine = open_engine(options.engine, options.model, **kwargs)
-        engines.append(engine)
-        reference, reason = None, "--reference none: no reference run"
-        if options.reference != "none":
-            try:
-                reference = open_engine(options.reference, options.model)
-                engines.append(reference)
-            except GGUFCheckError as err:
-                reason = f"the reference is unavailable: {err.message}"
-        baseline = None
-        if reference is not None and options.baseline != "none":
-            spec = "reference:fp32" if options.baseline == "auto" else options.baseline
-            if not (options.baseline == "auto" and reference.capabilities.activation_dtype == "fp32"):
-                try:
-                    baseline = open_engine(spec, options.model, **_emulation(spec, engine, options.model))
-                    engines.append(baseline)
-                except GGUFCheckError as err:
-                    say(f"baseline {spec} unavailable ({err.message}); using stated allowances")
-        texts = _prompt_texts(options)
-        sequences, tokenizer_used = _tokenize(engine, options.model, texts, options.max_tokens)
-        top_k = _indexer_top_k(options.model)
-        long_prompt = _long_prompt(sequences, top_k)
-        stages = run_compare(
-            engine, sequences, reference=reference, reference_reason=reason, baseline_engine=baseline,
-            options=CompareOptions(top_k=options.top_k, max_new_tokens=options.new_tokens, run_paths=options.paths,
-                                   long_decode_to=options.decode_to, sweep_to=options.sweep_to,
-                                   run_sanity=options.sanity, indexer_top_k=top_k),
-            progress=say, long_prompt=long_prompt,
-        )
+        stages = run_served(session)
+        tokenizer_used, prompts = session.tokenizer_used, len(session.tokens())
     finally:
-        for e in engines:
-            e.close()
+        session.close()
     for stage in stages:
         render_stage(console, stage, verbose=options.verbose)
     render_totals(console, stages)
     elapsed = time.perf_counter() - started
     if options.json:
         write_json(options.json, report_json("compare", stages, model=str(options.model), engine=options.engine,
-                                             tokenizer=tokenizer_used, prompts=len(sequences), elapsed_s=elapsed))
+                                             tokenizer=tokenizer_used, prompts=prompts, elapsed_s=elapsed))
     failed = any(s.failures for s in stages)
     return int(ExitStatus.FINDINGS if failed else ExitStatus.HEALTHY)

@@ -9,8 +9,8 @@ runs may be wrong. So ggufcheck asks the engine's own interpreter:
 - :mod:`ggufcheck.probe.scripts` holds the probe scripts themselves (standard library and
   torch only): the environment probe, the fatbinary reader, the kernel probe and its
   three tiers (imports, runs with a poisoned output, agrees with fp64).
-- :mod:`ggufcheck.probe.activations` computes real activations with the reference model
-  for ``ggufcheck kernels --model``.
+- (the real activations that ``ggufcheck kernels --model`` feeds the probe are computed in
+  this interpreter by :mod:`ggufcheck.reference.activations`)
 
 The stages that turn probe answers into results are :mod:`ggufcheck.checks.environment` and
 :mod:`ggufcheck.checks.kernels`.

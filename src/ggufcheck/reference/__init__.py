@@ -18,7 +18,7 @@ weights.py (dequantized weights, layer streaming) -> model.py (prefill, decode, 
 from ggufcheck.reference.cache import KVCache, LayerOutput
 from ggufcheck.reference.config import ReferenceConfig, config_from_gguf
 from ggufcheck.reference.model import ReferenceModel
-from ggufcheck.reference.trace import LayerTrace, Trace, model_fingerprint
+from ggufcheck.reference.trace import TracedLayer, Trace, model_fingerprint
 
-__all__ = ["KVCache", "LayerOutput", "LayerTrace", "ReferenceConfig", "ReferenceModel", "Trace",
+__all__ = ["KVCache", "LayerOutput", "TracedLayer", "ReferenceConfig", "ReferenceModel", "Trace",
            "config_from_gguf", "model_fingerprint"]

@@ -42,7 +42,7 @@ FAMILIES = {
 
 @dataclass(frozen=True)
 class YarnConfig:
-    """YaRN rope scaling (architectures.md sec 2)."""
+    """YaRN rope scaling (docs/architectures.md sec 2)."""
 
     factor: float  # F
     original_context: int  # L0
@@ -135,7 +135,7 @@ class ReferenceConfig:
 
 def config_from_spec(spec: "ArchSpec", tensor_names: Iterable[str]) -> ReferenceConfig:
     """Flatten the arch helper's :class:`~ggufcheck.arch.spec.ArchSpec` (which applies every
-    default and invariant of architectures.md) into what the forward pass reads."""
+    default and invariant of docs/architectures.md) into what the forward pass reads."""
     names = set(tensor_names)
     rope = spec.rope
     yarn = None

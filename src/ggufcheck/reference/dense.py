@@ -1,4 +1,4 @@
-"""Dense decoder layers: llama, qwen2, qwen3 (architectures.md sec 6), and the GQA
+"""Dense decoder layers: llama, qwen2, qwen3 (docs/architectures.md sec 6), and the GQA
 self-attention block that glm4moe shares.
 
 - llama: the converter permuted q and k rows for ggml's NORM rope; the reference uses NORM

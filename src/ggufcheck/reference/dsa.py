@@ -1,4 +1,4 @@
-"""The DeepSeek Sparse Attention (DSA) lightning indexer, as glm-dsa uses it (architectures.md sec 5).
+"""The DeepSeek Sparse Attention (DSA) lightning indexer, as glm-dsa uses it (docs/architectures.md sec 5).
 
 A full layer scores every visible key with its own small multi-head projection and keeps
 the ``top_k`` best per query; a shared layer reuses the indices of the latest full layer.

@@ -1,4 +1,4 @@
-"""glm4moe (GLM-4.5 / 4.6 / 4.7) decoder layers (architectures.md sec 4).
+"""glm4moe (GLM-4.5 / 4.6 / 4.7) decoder layers (docs/architectures.md sec 4).
 
 GQA attention (the dense family's block: optional q/k/v biases, optional per-head q/k
 RMSNorm before rope) with NEOX rope on the first ``rope.dimension_count`` dims of each head

@@ -1,6 +1,6 @@
 """Shared primitives of the reference forward pass: norms, RoPE, attention, SwiGLU, MoE.
 
-Deliberately naive (architectures.md sec 1-3, style.md principle 3): every function is a
+Deliberately naive (docs/architectures.md sec 1-3, style.md principle 3): every function is a
 few lines of einsum / matmul in the caller's working dtype (fp32 or fp64), with no fused
 kernels and no in-place tricks, so a reader can check it against the spec line by line.
 
@@ -41,7 +41,7 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Te
 def rope_inv_freq(
     n_rot: int, base: float, yarn: YarnConfig | None = None, freq_factors: Tensor | None = None
 ) -> Tensor:
-    """theta_i / p for i < n_rot/2, in float64 (architectures.md sec 2, YaRN included)."""
+    """theta_i / p for i < n_rot/2, in float64 (docs/architectures.md sec 2, YaRN included)."""
     i = torch.arange(n_rot // 2, dtype=torch.float64)
     inv_freq = base ** (-2.0 * i / n_rot)  # [n_rot/2]
     if freq_factors is not None:  # llama-3 style rope_freqs.weight: theta_i /= rope_freqs[i]
@@ -155,7 +155,7 @@ def _selection(x: Tensor, gate_inp: Tensor, bias: Tensor | None,
 
 
 def route(x: Tensor, gate_inp: Tensor, bias: Tensor | None, cfg: ReferenceConfig) -> tuple[Tensor, Tensor]:
-    """The MoE router (architectures.md sec 3): x [T, D] -> (expert ids [T, K], weights [T, K]).
+    """The MoE router (docs/architectures.md sec 3): x [T, D] -> (expert ids [T, K], weights [T, K]).
 
     Experts chosen by their selection scores (:func:`_selection`); weights are gathered from
     the UNBIASED probabilities, optionally normalized, scaled once.

@@ -1,4 +1,4 @@
-"""Multi-head Latent Attention (deepseek2, glm-dsa), naive AND absorbed (architectures.md sec 3).
+"""Multi-head Latent Attention (deepseek2, glm-dsa), naive AND absorbed (docs/architectures.md sec 3).
 
 Both forms read the same cache, the latent ``c`` [S, L] and the rotated shared key
 ``k_pe`` [S, R], and must give the same output (a test): the naive form expands per-head

@@ -1,5 +1,5 @@
 """MLA + MoE decoder layers: deepseek2 (DeepSeek-V2/V3/R1, Kimi-K2, ...) and glm-dsa (GLM-5),
-which adds the DSA indexer (architectures.md sec 3 and 5).
+which adds the DSA indexer (docs/architectures.md sec 3 and 5).
 
 Per layer: attn_norm -> MLA (naive or absorbed, cfg.mla_form), with glm-dsa's top-k mask
 on top of the causal one -> residual -> ffn_norm -> dense SwiGLU below

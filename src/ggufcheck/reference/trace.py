@@ -6,7 +6,7 @@ choices (expert ids and final weights) and the DSA indexer's top-k, and the fina
 log-softmax over the full vocabulary. On disk it is two files side by side:
 
 - ``NAME.safetensors``: the tensors, named ``embeddings``, ``logprobs`` and
-  ``layers.<i>.<field>`` (fields as in :class:`LayerTrace`);
+  ``layers.<i>.<field>`` (fields as in :class:`TracedLayer`);
 - ``NAME.json``: metadata: model file fingerprint, tokens, dtype, architecture, the
   reference options, the ggufcheck version.
 
@@ -43,7 +43,7 @@ _N_SAMPLES = 64
 
 
 @dataclass
-class LayerTrace:
+class TracedLayer:
     """One layer's recorded states (all [T, D] unless noted)."""
 
     after_attn: Tensor  # residual after attention
@@ -59,7 +59,7 @@ class LayerTrace:
     router_gap: Tensor | None = None  # [T] MoE routing margin (reference.layers.router_gap)
 
     @classmethod
-    def from_output(cls, out: "LayerOutput") -> "LayerTrace":
+    def from_output(cls, out: "LayerOutput") -> "TracedLayer":
         return cls(out.after_attn, out.hidden, out.attn_out, out.ffn_out, out.expert_ids,
                    out.expert_weights, out.topk, out.topk_ties, out.topk_full,
                    out.topk_gap, out.router_gap)
@@ -73,7 +73,7 @@ class Trace:
     dtype: str  # "fp32" | "fp64"
     meta: dict[str, Any]  # fingerprint, arch, options, version, ...
     embeddings: Tensor  # [T, D]
-    layers: list[LayerTrace]
+    layers: list[TracedLayer]
     logprobs: Tensor  # [T, vocab] log-softmax of the logits
 
     # -- built from a run ------------------------------------------------------------
@@ -94,7 +94,7 @@ class Trace:
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         dtype = "fp64" if ref.dtype == torch.float64 else "fp32"
-        return cls(list(tokens), dtype, meta, embeddings, [LayerTrace.from_output(o) for o in outputs],
+        return cls(list(tokens), dtype, meta, embeddings, [TracedLayer.from_output(o) for o in outputs],
                    torch.log_softmax(logits, dim=-1))
 
     # -- reading ---------------------------------------------------------------------
@@ -131,7 +131,7 @@ class Trace:
         tensors_path, meta_path = _paths(path)
         tensors: dict[str, Tensor] = {"embeddings": self.embeddings, "logprobs": self.logprobs}
         for i, layer in enumerate(self.layers):
-            for f in fields(LayerTrace):
+            for f in fields(TracedLayer):
                 value = getattr(layer, f.name)
                 if isinstance(value, Tensor):
                     tensors[f"layers.{i}.{f.name}"] = value
@@ -162,8 +162,8 @@ class Trace:
             raise BadFileError(meta_path, f"incomplete trace (missing {missing or 'tensors'})")
         layers = []
         for i in range(meta["n_layer"]):
-            parts = {f.name: tensors.get(f"layers.{i}.{f.name}") for f in fields(LayerTrace) if f.name != "topk_full"}
-            layers.append(LayerTrace(**parts, topk_full=bool(meta["topk_full"][i])))
+            parts = {f.name: tensors.get(f"layers.{i}.{f.name}") for f in fields(TracedLayer) if f.name != "topk_full"}
+            layers.append(TracedLayer(**parts, topk_full=bool(meta["topk_full"][i])))
         tokens, dtype = meta.pop("tokens"), meta.pop("dtype")
         meta.pop("topk_full")
         return cls(tokens, dtype, meta, tensors["embeddings"], layers, tensors["logprobs"])

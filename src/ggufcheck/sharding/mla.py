@@ -3,7 +3,7 @@
 vLLM loads HF's ``kv_b_proj`` [H*(P+V), L] (head-major; inside each head P key rows then V
 value rows), column-parallel: rank r takes rows ``[r*Hl*(P+V), (r+1)*Hl*(P+V))`` with
 ``Hl = H / tp``, and splits ``W.T.view(L, Hl, P+V)`` into W_UK [L, Hl, P] and W_UV [L, Hl, V]
-(architectures.md sec 7). A GGUF stores k_b [H, L, P] and v_b [H, V, L] instead; a loader
+(docs/architectures.md sec 7). A GGUF stores k_b [H, L, P] and v_b [H, V, L] instead; a loader
 rebuilds kv_b from them. The invariants after loading, for every rank and local head h of
 global head g = r*Hl + h:
 
@@ -36,7 +36,7 @@ KV_B_RULE = ShardRule("column", 0)  # whole rows of [H*(P+V), L]: heads stay who
 def rebuild_kv_b(k_b: Tensor, v_b: Tensor) -> Tensor:
     """HF kv_b_proj from the GGUF pair: k_b [H, L, P], v_b [H, V, L] -> [H*(P+V), L].
 
-    The exact inverse of llama.cpp's converter split (architectures.md sec 3): the arch
+    The exact inverse of llama.cpp's converter split (docs/architectures.md sec 3): the arch
     transform the HF rebuild uses, so the weights audit and this check share one definition.
     """
     return kv_b_from_split(k_b, v_b)

@@ -7,7 +7,7 @@ blocks, each split on its own). :func:`shard` is the one function that cuts a fu
 into rank ``r``'s piece; the sharded layers, the weights audit and the fault injections
 all go through it (or through a replacement loader with the same signature).
 
-The facts (architectures.md sec 7, read from vLLM's linear.py / vocab_parallel_embedding.py)
+The facts (docs/architectures.md sec 7, read from vLLM's linear.py / vocab_parallel_embedding.py)
 live in the arch tables (``ggufcheck.arch.tables``: every row carries a ``Shard``);
 :func:`rules_from_table` turns them into :class:`ShardRule` values with the units resolved
 for one model. What this module adds is the vLLM behaviour the table rows only name:

@@ -95,7 +95,7 @@ def attention_inputs(shape: dict, dtype: str, device: str, seed: int, data: dict
     t, s, d, e = shape["t"], shape["s"], shape["d"], shape["e"]
     dt = _dt(dtype)
     real = (data or {}).get(shape.get("real", ""))
-    if real is not None:  # real q/k/v from the reference model (see ggufcheck.probe.activations)
+    if real is not None:  # real q/k/v from the reference model (see ggufcheck.reference.activations)
         q, k, v = real["q"][:, :h], real["k"], real["v"]
         if k.shape[1] == 1 and g > 1:  # MLA's one latent key, expanded to every head
             k, v = k.expand(-1, g, -1, -1), v.expand(-1, g, -1, -1)

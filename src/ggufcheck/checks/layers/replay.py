@@ -1,0 +1,88 @@
+"""Replays of one reference layer on the engine's own input to it: the whole layer through the
+family code, or its FFN / MoE block on the engine's post-attention residual.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+def ffn_parts(cfg, w: dict[str, Tensor], after_attn: Tensor, layer: int):
+    """The FFN / MoE block on ``after_attn`` [T, D]: (out, routed, shared, ids, routing gap [T])."""
+    from ggufcheck.reference.layers import moe, rms_norm, swiglu
+
+    norm = w["ffn_norm.weight"] if "ffn_norm.weight" in w else w["post_attention_norm.weight"]
+    x = rms_norm(after_attn, norm, cfg.rms_eps)
+    if not cfg.is_moe_layer(layer):
+        return swiglu(x, w["ffn_gate.weight"], w["ffn_up.weight"], w["ffn_down.weight"]), None, None, None, None
+    from ggufcheck.reference.layers import route, router_gap
+
+    ids, weights = route(x, w["ffn_gate_inp.weight"], w.get("exp_probs_b.bias"), cfg)
+    gap = router_gap(x, w["ffn_gate_inp.weight"], w.get("exp_probs_b.bias"), cfg, ids)  # [T]: for tie margins
+    if "ffn_gate_up_exps.weight" in w:
+        gate_up = w["ffn_gate_up_exps.weight"]  # [E, 2F, D]
+        gate, up = gate_up[:, : cfg.n_ff_exp], gate_up[:, cfg.n_ff_exp:]
+    else:
+        gate, up = w["ffn_gate_exps.weight"], w["ffn_up_exps.weight"]
+    routed = moe(x, ids, weights, gate, up, w["ffn_down_exps.weight"])
+    shared = None
+    if "ffn_gate_shexp.weight" in w:
+        shared = swiglu(x, w["ffn_gate_shexp.weight"], w["ffn_up_shexp.weight"], w["ffn_down_shexp.weight"])
+    out = routed if shared is None else routed + shared
+    return out, routed, shared, ids, gap
+
+
+class Replayer:
+    """Replays of one reference layer (fp64, and fp32 for baselines) on given inputs."""
+
+    def __init__(self, ref, layer: int):
+        self.ref, self.layer = ref, layer
+        self.w = ref.weights.layer(layer)
+
+    def attention(self, h_in: Tensor, shared_topk: Tensor | None, cfg=None,
+                  weights: Callable | None = None):
+        """Run the whole layer (family code) on h_in; the LayerOutput (attn_out, topk, ...)."""
+        from ggufcheck.reference.cache import LayerCache
+
+        ref = self.ref
+        cfg = ref.cfg if cfg is None else cfg
+        w = self.w if weights is None else weights(cfg, self.layer, dict(self.w))
+        h = h_in.to(dtype=ref.dtype, device=ref.device)
+        pos = torch.arange(h.shape[0], device=ref.device)
+        shared = {} if shared_topk is None else {"topk": shared_topk.to(ref.device)}
+        with torch.no_grad():
+            return ref.family.forward_layer(cfg, self.layer, w, h, ref.rope(pos), pos, pos, LayerCache(), shared)
+
+    def ffn(self, after_attn: Tensor, cfg=None, weights: Callable | None = None):
+        ref = self.ref
+        cfg = ref.cfg if cfg is None else cfg
+        w = self.w if weights is None else weights(cfg, self.layer, dict(self.w))
+        with torch.no_grad():
+            return ffn_parts(cfg, w, after_attn.to(dtype=ref.dtype, device=ref.device), self.layer)
+
+    def close(self) -> None:
+        self.ref.weights.release(self.layer)
+
+
+def engine_input(i: int, eng, ref_trace) -> Tensor:
+    if i == 0:
+        return ref_trace.embeddings  # engines do not expose embeddings: layer 0 reads the reference's
+    return torch.as_tensor(np.asarray(eng.tensors[("residual", i - 1)]))
+
+
+def shared_topk(i: int, cfg, eng, ref_rep, inputs) -> Tensor | None:
+    """A glm-dsa shared layer's top-k: the engine's own from its latest full layer when it
+    reports one, else the reference's latest full layer replayed on the engine's input."""
+    if not cfg.has_indexer or cfg.indexer_full[i]:
+        return None
+    for j in range(i - 1, -1, -1):
+        if cfg.indexer_full[j]:
+            got = eng.tensors.get(("indexer", j))
+            if got is not None:
+                return torch.as_tensor(np.asarray(got)).to(torch.int64)
+            return Replayer(ref_rep, j).attention(inputs(j), shared_topk(j, cfg, eng, ref_rep, inputs)).topk
+    return None

@@ -1,0 +1,187 @@
+"""What the stages of one diagnosis share, opened once, lazily, and closed together.
+
+A :class:`Session` owns the model file, the engine under test, the fp64 reference, the
+baseline run (which emulates the engine's precision class), the prompts' tokens and the long
+prompt. Each stage is one module in ``checks/`` with one entry point, ``run(session) ->
+list[StageReport]``; the plan (``diagnose/plan.py``) lists them in dependency order. A stage
+asks the session for what it needs, so nothing is opened that no stage uses, and an input
+two stages need (the reference, the tokens) is built once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class DiagnoseOptions:
+    """Everything ``ggufcheck diagnose`` was asked; built once by the CLI (or a caller)."""
+
+    model: Path
+    engine: str | None = None  # an --engine SPEC (see ggufcheck.engines.spec)
+    python: str | None = None  # target interpreter for the environment / kernels stages
+    device: int | None = None  # GPU index for the probes
+    tp: int | None = None
+    prompts: Path | None = None
+    max_prompts: int | None = 4
+    max_tokens: int = 96
+    new_tokens: int = 6
+    decode_to: int = 272  # the first prompt is decoded to this position (0: new_tokens only)
+    sweep_to: int = 520  # prefill length sweep up to this many tokens (0: none; checks.lengths)
+    health: bool = True
+    kernels: bool = True
+    sanity: bool = True  # off for random-weight test models, whose output is near-flat by nature
+    shard_numeric: bool = True
+    reference: str = "reference"  # the trusted engine's SPEC ("reference": ggufcheck's fp64; "none")
+    baseline: str = "reference:fp32"  # a low-precision run giving a correct engine's error ("none")
+    paths: bool = True  # the execution-path checks of the served stage
+    top_k: int = 20  # top-k requested from engines without full logits (HTTP servers)
+    timeout: float = 60.0  # HTTP engines: seconds per request
+    engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+class Session:
+    """Lazily opened inputs shared by the stages (the model, engines, prompt tokens)."""
+
+    def __init__(self, options: DiagnoseOptions, say: Progress, engine: Any | None = None):
+        self.options = options
+        self.say = say
+        self._engine = engine
+        self._owns_engine = engine is None
+        self._reference = None
+        self._baseline = None
+        self._tokens: list[list[int]] | None = None
+        self.tokenizer_used: str | None = None  # whose tokenizer made the prompts' tokens
+        self.model = None
+
+    # -- the file -------------------------------------------------------------------------
+    def open_model(self):
+        from ggufcheck.gguf.reader import open_gguf
+
+        if self.model is None:
+            self.model = open_gguf(self.options.model)
+        return self.model
+
+    def indexer_top_k(self) -> int | None:
+        """The DSA indexer's top_k from the metadata (None: no sparse attention)."""
+        from ggufcheck.arch.spec import spec_for_model
+
+        spec, _ = spec_for_model(self.open_model())
+        return getattr(getattr(spec, "indexer", None), "top_k", None)
+
+    # -- the engine and the references ----------------------------------------------------
+    @property
+    def has_engine(self) -> bool:
+        return self._engine is not None or self.options.engine is not None
+
+    def engine(self):
+        if self._engine is None:
+            from ggufcheck.engines.spec import open_engine
+
+            self.say(f"opening engine {self.options.engine}")
+            kwargs = dict(self.options.engine_kwargs)
+            if self.options.engine.split(":")[0] == "vllm" and self.options.python:
+                kwargs.setdefault("python", self.options.python)  # vLLM runs in the engine's interpreter
+            if self.options.engine.startswith(("http://", "https://")) and "http_options" not in kwargs:
+                from ggufcheck.engines.http import HttpOptions
+
+                kwargs["http_options"] = HttpOptions(timeout_s=self.options.timeout, top_k=self.options.top_k)
+            self._engine = open_engine(self.options.engine, self.options.model, **kwargs)
+        return self._engine
+
+    def reference(self):
+        """The trusted engine (``options.reference``; None for "none"). ggufcheck's reference
+        adopts the engine's documented semantics (:meth:`semantics`)."""
+        if self._reference is None and self.options.reference != "none":
+            spec = self.options.reference
+            if spec == "reference":
+                from ggufcheck.engines.reference import ReferenceEngine
+
+                self.say("loading the fp64 reference")
+                self._reference = ReferenceEngine(self.options.model, dtype="fp64", **self.semantics())
+            else:
+                from ggufcheck.engines.spec import open_engine
+
+                self.say(f"opening the reference {spec}")
+                kwargs = self.semantics() if spec.split(":")[0] == "reference" else {}
+                self._reference = open_engine(spec, self.options.model, **kwargs)
+        return self._reference
+
+    def semantics(self) -> dict:
+        """The engine's documented semantics the reference adopts (Capabilities.reference_options)."""
+        engine = self._engine if self._engine is not None else (self.engine() if self.options.engine else None)
+        return dict(getattr(engine.capabilities, "reference_options", {}) or {}) if engine is not None else {}
+
+    def emulation(self) -> dict:
+        """``emulate=`` for a reference baseline: the engine's precision class (reference.precision)."""
+        from ggufcheck.reference.precision import emulation_of, matmul_weight_types
+
+        engine = self._engine if self._engine is not None else (self.engine() if self.options.engine else None)
+        if engine is None:
+            return {}
+        emulation = emulation_of(engine.capabilities, matmul_weight_types(self.open_model().tensors))
+        return {"emulate": emulation} if emulation is not None else {}
+
+    def baseline(self):
+        """The baseline run (``--baseline``): a correct engine's expected error, measured."""
+        if self._baseline is None and self.options.baseline != "none":
+            from ggufcheck.engines.spec import open_engine
+
+            spec = self.options.baseline
+            kwargs = {}
+            if spec.split(":")[0] == "reference":  # the engine's semantics, rounding as its class does
+                kwargs = {**self.semantics(), **self.emulation()}
+            self._baseline = open_engine(spec, self.options.model, **kwargs)
+        return self._baseline
+
+    def baseline_model(self):
+        """The baseline's ReferenceModel (the layers stage replays with it), or None."""
+        return getattr(self.baseline(), "model", None)
+
+    # -- the prompts ----------------------------------------------------------------------
+    def tokens(self) -> list[list[int]]:
+        if self._tokens is None:
+            from ggufcheck.checks.prompts import builtin_prompts, load_prompts
+
+            prompts = load_prompts(self.options.prompts) if self.options.prompts else builtin_prompts()
+            if self.options.max_prompts:
+                prompts = prompts[: self.options.max_prompts]
+            texts = [p.text for p in prompts]
+            engine = self.engine()
+            if engine.capabilities.tokenize:
+                seqs = [engine.tokenize(t) for t in texts]
+                self.tokenizer_used = f"{engine.name}'s tokenizer"
+            else:
+                from ggufcheck.tokenizer import load_tokenizer
+
+                tok = load_tokenizer(self.open_model())
+                seqs = [tok.encode(t, add_special=True, parse_special=True) for t in texts]
+                self.tokenizer_used = "the GGUF's own tokenizer"
+            self._tokens = [s[: self.options.max_tokens] for s in seqs if len(s) >= 2]
+        return self._tokens
+
+    def long_prompt(self, top_k: int) -> list[int] | None:
+        """DSA models: a prompt longer than the indexer's top_k, so that sparse attention
+        actually selects (the longest prompt, or the prompts joined and repeated)."""
+        seqs = sorted(self.tokens(), key=len, reverse=True)
+        if not seqs:
+            return None
+        if len(seqs[0]) > top_k + 8:
+            return seqs[0]
+        joined: list[int] = []
+        while len(joined) <= top_k + 32:
+            for s in seqs:
+                joined.extend(s)
+        return joined[: top_k + 32]
+
+    def close(self) -> None:
+        for engine in (self._engine if self._owns_engine else None, self._reference, self._baseline):
+            if engine is not None:
+                engine.close()
+        if self.model is not None:
+            self.model.close()
