@@ -27,16 +27,18 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import numpy as np
 
+from ggufcheck.arch.families import FAMILIES, archs
 from ggufcheck.arch.keys import REQUIRED, Finding, Keys, SpecError, check
 from ggufcheck.results import Result
 
 if TYPE_CHECKING:  # pragma: no cover
     from ggufcheck.gguf.reader import GGUFModel
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "glm4moe", "deepseek2", "glm-dsa")
-MLA_ARCHS = ("deepseek2", "glm-dsa")
-MOE_ARCHS = ("glm4moe", "deepseek2", "glm-dsa")
-NEXTN_ARCHS = ("glm4moe", "deepseek2", "glm-dsa")
+# the families ggufcheck can diagnose: declared once in arch/families.py
+SUPPORTED = archs()
+MLA_ARCHS = archs(mla=True)
+MOE_ARCHS = archs(moe=True)
+NEXTN_ARCHS = archs(nextn=True)
 
 
 class Pairing(str, enum.Enum):
@@ -53,18 +55,9 @@ class Gating(str, enum.Enum):
     SIGMOID = "sigmoid"
 
 
-# docs/architectures.md sec 2 table
-PAIRING = {
-    "llama": Pairing.NORM,  # on q/k rows the converter permuted (llama.py LlamaModel.permute)
-    "qwen2": Pairing.NEOX,
-    "qwen3": Pairing.NEOX,
-    "glm4moe": Pairing.NEOX,
-    "deepseek2": Pairing.NORM,
-    "glm-dsa": Pairing.NORM,
-}
-# gating when the key is absent: llama.cpp src/models/deepseek2.cpp (softmax, for old V2
-# files), glm4-moe.cpp and glm-dsa.cpp (sigmoid)
-DEFAULT_GATING = {"deepseek2": Gating.SOFTMAX, "glm4moe": Gating.SIGMOID, "glm-dsa": Gating.SIGMOID}
+# docs/architectures.md sec 2 table, and the gating when the key is absent (llama.cpp's)
+PAIRING = {a: Pairing(f.rope) for a, f in FAMILIES.items()}
+DEFAULT_GATING = {a: Gating(f.gating) for a, f in FAMILIES.items() if f.gating}
 GATING_CODES = {1: Gating.SOFTMAX, 2: Gating.SIGMOID}
 # llama.cpp glm-dsa.cpp: without attention.indexer.types, a training context below 2^20 means
 # GLM-5 / 5.1 (every layer full), otherwise GLM-5.2's pattern

@@ -230,7 +230,10 @@ def _shapes_from_metadata(model, qtypes: tuple[str, ...]) -> ModelShapes:
         mla = (int(get("attention.key_length_mla")), int(get("attention.value_length_mla")),
                int(get("attention.kv_lora_rank")))
     gating_id = get("expert_gating_func")
-    default_gating = "softmax" if arch == "deepseek2" else "sigmoid" if arch in ("glm-dsa", "glm4moe") else "softmax"
+    from ggufcheck.arch.families import family  # the gating when the key is absent, declared once
+
+    known = family(arch)
+    default_gating = known.gating if known is not None and known.gating else "softmax"
     gating = {1: "softmax", 2: "sigmoid"}.get(int(gating_id), default_gating) if gating_id else default_gating
     indexer = None
     if get("attention.indexer.head_count") is not None:

@@ -17,12 +17,13 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from ggufcheck.arch.families import FAMILIES
 from ggufcheck.engines.base import (
     LAYER_KINDS,
     Capabilities,
     Engine,
-    GGUFVocabTokenizer,
     Generation,
+    GGUFVocabTokenizer,
     LayerTrace,
     TokenLogprobs,
     Unsupported,
@@ -31,8 +32,7 @@ from ggufcheck.engines.base import (
 from ggufcheck.errors import Unavailable
 
 # GGUF arch -> transformers model_type
-MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "glm4moe": "glm4_moe",
-               "deepseek2": "deepseek_v3", "glm-dsa": "glm_moe_dsa"}
+MODEL_TYPES = {a: f.hf_model_type for a, f in FAMILIES.items()}  # arch/families.py
 
 
 def _rope_parameters(spec: Any) -> dict[str, Any]:

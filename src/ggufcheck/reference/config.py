@@ -23,20 +23,15 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
+from ggufcheck.arch.families import FAMILIES as ARCH_FAMILIES
 from ggufcheck.errors import BadFileError, Unavailable
 
 if TYPE_CHECKING:  # pragma: no cover
     from ggufcheck.arch.spec import ArchSpec
 
 # GGUF architecture -> reference family module (reference/<family>.py)
-FAMILIES = {
-    "llama": "dense",
-    "qwen2": "dense",
-    "qwen3": "dense",
-    "glm4moe": "glm4moe",
-    "deepseek2": "mla_moe",
-    "glm-dsa": "mla_moe",
-}
+# GGUF architecture -> the reference module that runs it (arch/families.py)
+FAMILIES = {a: f.reference for a, f in ARCH_FAMILIES.items()}
 
 
 

@@ -56,7 +56,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ggufcheck.engines.base import Capabilities, Engine, LayerTrace, LAYER_KINDS, Unsupported
+from ggufcheck.arch.families import archs
+from ggufcheck.engines.base import (
+    LAYER_KINDS,
+    Capabilities,
+    Engine,
+    LayerTrace,
+    Unsupported,
+)
 from ggufcheck.engines.faults import FlatDistribution
 from ggufcheck.engines.reference import ReferenceEngine
 from ggufcheck.errors import UsageError
@@ -73,9 +80,9 @@ from ggufcheck.sharding.faults import (  # noqa: F401 - re-exported: the layouts
 )
 
 Weights = dict[str, Tensor]
-MLA_ARCHS = frozenset({"deepseek2", "glm-dsa"})
-MOE_ARCHS = frozenset({"deepseek2", "glm-dsa", "glm4moe"})
-ALL_ARCHS = frozenset({"llama", "qwen2", "qwen3", "glm4moe", "deepseek2", "glm-dsa"})
+MLA_ARCHS = frozenset(archs(mla=True))
+MOE_ARCHS = frozenset(archs(moe=True))
+ALL_ARCHS = frozenset(archs())
 
 
 # ----------------------------------------------------------------------------- the patch

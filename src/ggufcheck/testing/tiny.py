@@ -22,16 +22,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import gguf
-from gguf import GGMLQuantizationType as Q, GGUFValueType as T
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFValueType as T
 
+from ggufcheck.arch.families import archs
 from ggufcheck.errors import GGUFCheckError
 from ggufcheck.testing import qblocks
 
 ARCHS = ("llama", "qwen2", "qwen3", "glm4moe", "deepseek2", "glm-dsa")
-_MOE_ARCHS = ("glm4moe", "deepseek2", "glm-dsa")
-_MLA_ARCHS = ("deepseek2", "glm-dsa")
+_MOE_ARCHS = archs(moe=True)  # arch/families.py
+_MLA_ARCHS = archs(mla=True)
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,21 @@
-"""One tensor table per supported architecture (rows in the family modules beside this)."""
+"""One tensor table per supported architecture (rows in the family modules beside this);
+which table an architecture uses is declared with its family (arch/families.py)."""
 
 from __future__ import annotations
 
+import importlib
+
+from ggufcheck.arch.families import FAMILIES
 from ggufcheck.arch.spec import ArchSpec, GenericSpec
 from ggufcheck.arch.table import TensorTable
-from ggufcheck.arch.tables.dense import LLAMA, QWEN2, QWEN3
-from ggufcheck.arch.tables.glm4moe import GLM4MOE
-from ggufcheck.arch.tables.mla import DEEPSEEK2, GLM_DSA
 
-TABLES: dict[str, TensorTable] = {t.arch: t for t in (LLAMA, QWEN2, QWEN3, GLM4MOE, DEEPSEEK2, GLM_DSA)}
+
+def _load(where: str) -> TensorTable:
+    module, name = where.split(":")
+    return getattr(importlib.import_module(f"ggufcheck.arch.tables.{module}"), name)
+
+
+TABLES: dict[str, TensorTable] = {arch: _load(f.table) for arch, f in FAMILIES.items()}
 
 
 def table_for(spec: ArchSpec | GenericSpec | str) -> TensorTable | None:

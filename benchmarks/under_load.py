@@ -1,0 +1,76 @@
+"""Steady under load: the same diagnosis with and without a competing CPU load, side by side.
+
+Runs ``ggufcheck diagnose`` on SmolLM2-135M Q4_1 through llama.cpp (the README's model) in a
+child process, first on a quiet machine, then while ``--load`` busy processes (default: one
+per core) compete for the cores, and prints each run's wall time, its CPU time (user +
+system of the child) and CPU / wall, and the loaded / quiet ratio. Thread pools that spin
+(OpenMP, ggml) show as CPU time that buys nothing under load; the goal is a loaded run of at
+most ~2x the quiet one on 2 cores (issue 22).
+
+Usage: python benchmarks/under_load.py [--load N] [--out benchmarks/results/under_load_cpu.txt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def _burn(stop) -> None:
+    x = 0
+    while not stop.is_set():
+        for _ in range(100_000):
+            x = (x * 1103515245 + 12345) & 0xFFFFFFFF
+
+
+def _run(model: str) -> tuple[float, float, int]:
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "ggufcheck", "diagnose", model, "--engine", "llama-cpp", "-q"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, cpu, proc.returncode
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--load", type=int, default=len(os.sched_getaffinity(0)), help="competing busy processes")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    from ggufcheck.testing.models import smollm2_path
+
+    model = str(smollm2_path())
+    lines = [f"# diagnose under load on {platform.machine()}, {len(os.sched_getaffinity(0))} cores, "
+             f"python {platform.python_version()}", "| run | wall s | CPU s | CPU / wall | exit |", "|---|---|---|---|---|"]
+    _run(model)  # warm the caches (numba, page cache) so both runs start alike
+    quiet = _run(model)
+    stop = mp.Event()
+    burners = [mp.Process(target=_burn, args=(stop,), daemon=True) for _ in range(args.load)]
+    for b in burners:
+        b.start()
+    try:
+        loaded = _run(model)
+    finally:
+        stop.set()
+        for b in burners:
+            b.join(5)
+    for name, (wall, cpu, code) in (("quiet", quiet), (f"with {args.load} busy processes", loaded)):
+        lines.append(f"| {name} | {wall:.1f} | {cpu:.1f} | {cpu / wall:.2f} | {code} |")
+    lines.append(f"\nloaded / quiet wall time: {loaded[0] / quiet[0]:.2f}x (goal: <= ~2x)")
+    print("\n".join(lines))
+    if args.out:
+        args.out.write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

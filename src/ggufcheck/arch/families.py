@@ -1,0 +1,57 @@
+"""Every architecture ggufcheck can diagnose, declared once.
+
+A family is what the rest of the code needs to know about a GGUF ``general.architecture``
+before reading its keys: which attention (GQA or MLA), MoE or not, a DSA indexer, NextN
+layers counted in ``block_count``, the main rope pairing, the router's gating when the file
+does not say, the reference module that runs it, its tensor table, and the transformers
+``model_type`` that rebuilds it. The metadata rules (``arch/spec.py``), the tensor tables
+(``arch/tables/``), the reference (``reference/config.py``), the transformers engine
+(``engines/hf.py``) and the test builders (``testing/``) read these records instead of
+keeping their own lists, and ``tests/arch/test_families.py`` walks the registry so that a
+family cannot be half-added: each one needs its table rows, reference module, tiny builder
+dimensions, converter config and fault coverage.
+
+Facts: docs/architectures.md sec 2 (rope pairing), sec 3-6 (families); gating defaults are
+llama.cpp's (src/models/deepseek2.cpp: softmax, for old V2 files; glm4-moe.cpp and
+glm-dsa.cpp: sigmoid).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Family:
+    arch: str  # general.architecture
+    reference: str  # the module ggufcheck.reference.<reference> with forward_layer
+    table: str  # "module:NAME" of its TensorTable under ggufcheck.arch.tables
+    hf_model_type: str  # transformers' config model_type
+    rope: str  # main rope pairing: "norm" (interleaved) or "neox"
+    mla: bool = False  # Multi-head Latent Attention (else GQA)
+    moe: bool = False
+    indexer: bool = False  # DeepSeek Sparse Attention indexer
+    nextn: bool = False  # block_count includes nextn_predict_layers NextN / MTP layers
+    gating: str | None = None  # MoE gating when expert_gating_func is absent
+
+
+FAMILIES: dict[str, Family] = {f.arch: f for f in (
+    Family("llama", "dense", "dense:LLAMA", "llama", rope="norm"),  # on q/k rows the converter permuted
+    Family("qwen2", "dense", "dense:QWEN2", "qwen2", rope="neox"),
+    Family("qwen3", "dense", "dense:QWEN3", "qwen3", rope="neox"),
+    Family("glm4moe", "glm4moe", "glm4moe:GLM4MOE", "glm4_moe", rope="neox", moe=True, nextn=True,
+           gating="sigmoid"),
+    Family("deepseek2", "mla_moe", "mla:DEEPSEEK2", "deepseek_v3", rope="norm", mla=True, moe=True, nextn=True,
+           gating="softmax"),
+    Family("glm-dsa", "mla_moe", "mla:GLM_DSA", "glm_moe_dsa", rope="norm", mla=True, moe=True, indexer=True,
+           nextn=True, gating="sigmoid"),
+)}
+
+
+def archs(**flags: bool) -> tuple[str, ...]:
+    """The architectures whose flags match, e.g. ``archs(mla=True)``; all with no flags."""
+    return tuple(a for a, f in FAMILIES.items() if all(getattr(f, k) == v for k, v in flags.items()))
+
+
+def family(arch: str) -> Family | None:
+    return FAMILIES.get(arch)
