@@ -45,6 +45,7 @@ def test_exported_checkpoint_matches_the_reference(arch, tmp_path):
     assert tok.decode(tok.encode("hello there")) == "hello there"
 
 
+@pytest.mark.slow
 def test_export_bad_input_is_one_line_and_exit_2(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "ggufcheck", "export", str(tmp_path / "nope.gguf"),
                               str(tmp_path / "out")], capture_output=True, text=True, timeout=120)

@@ -35,6 +35,9 @@ LAYER_FAULTS = {  # arch -> the faults the layers stage must name on it
 CASES = [(arch, name) for arch, names in LAYER_FAULTS.items() for name in names]
 
 
+pytestmark = pytest.mark.slow  # the fault-localization suite: `pytest -m "not slow"` skips it
+
+
 def _prompts(seed: int, lengths=(16, 11), vocab: int = 49000) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [[int(t) for t in rng.integers(1, vocab, n)] for n in lengths]

@@ -25,6 +25,8 @@ from ggufcheck.diagnose.verdict import decide
 from ggufcheck.reference import dsa
 from ggufcheck.results import Status
 
+pytestmark = pytest.mark.slow  # the fault-localization suite: `pytest -m "not slow"` skips it
+
 pytest.importorskip("transformers")
 
 

@@ -215,6 +215,7 @@ def glm4moe_with_nextn(tiny_converted, tmp_path_factory):
     return _with_nextn(tiny_converted, tmp_path_factory, "glm4moe")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fixture", ["glm_dsa_with_nextn", "glm4moe_with_nextn"])
 def test_nextn_layer_recognized_and_rebuilt(request, fixture):
     hf_dir, gguf_path, weights = request.getfixturevalue(fixture)

@@ -64,6 +64,7 @@ def test_bad_options_exit_2(tiny_llama):
     assert main(["diagnose", str(tiny_llama), "--top-k", "0"]) == 2
 
 
+@pytest.mark.slow
 def test_timeout_reaches_the_http_engine(tiny_llama, capsys):
     """--timeout bounds every request: a server that never answers is reported within seconds."""
     import http.server
@@ -111,6 +112,7 @@ def test_no_engine_is_a_usage_error_and_bad_engines_fail_before_the_file_stage(t
     assert main(["diagnose", str(tiny_llama), "--engine", "http://127.0.0.1:9", "--timeout", "0.5"]) == 3
 
 
+@pytest.mark.slow
 def test_an_architecture_without_a_reference_is_never_called_healthy(gemma3_path, capsys, tmp_path):
     """Gemma 3 through llama.cpp: the file passes, the layers and logits stages say ggufcheck's
     reference has no gemma3, and the engine-only checks (sanity, paths) still run. The old

@@ -105,6 +105,7 @@ def test_real_tensors_bit_exact(path):
         assert len(seen) >= 2
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not MODELS, reason="no registry model installed")
 def test_row_slices_and_chunked_fill_match_full():
     from ggufcheck.gguf.reader import open_gguf

@@ -48,6 +48,7 @@ def test_matches_gguf_py_on_seed_file(seed_file: Path):
     assert_same_as_gguf_py(seed_file)
 
 
+@pytest.mark.slow
 def test_matches_gguf_py_on_smollm2(smollm2_path: Path):
     assert_same_as_gguf_py(smollm2_path)
 

@@ -56,6 +56,7 @@ def smollm2_reference(smollm2):
         return tokens, ref.prefill(tokens, trace=False).double().log_softmax(-1)
 
 
+@pytest.mark.slow
 def test_smollm2_q4_1_statistical_agreement(smollm2, smollm2_reference, llama_cpp_run):
     tokens, ours = smollm2_reference
     assert len(tokens) == 300

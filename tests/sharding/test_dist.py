@@ -50,6 +50,7 @@ def test_a_wrong_collective_result_fails():
     assert bad and all("all_reduce" in r.check for r in bad) and bad[0].worst["rank"] == 0
 
 
+@pytest.mark.slow
 def test_a_hung_rank_times_out():
     started = time.monotonic()
     with pytest.raises(RanksFailed) as err:

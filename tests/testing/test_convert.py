@@ -29,6 +29,7 @@ def test_cached_call_returns_the_same_files_without_rebuilding(tiny_converted):
     assert config["architectures"] == ["LlamaForCausalLM"] and config["vocab_size"] == convert.VOCAB_SIZE
 
 
+@pytest.mark.slow
 def test_two_processes_racing_on_a_cold_cache(tmp_path, tiny_converted):
     """Both get the same file; it is built once; it is byte-identical to the session cache's
     (HF build and conversion are deterministic across processes)."""
@@ -64,6 +65,7 @@ def test_bad_llama_cpp_source_is_unavailable(monkeypatch, tmp_path):
         convert.llama_cpp_source()
 
 
+@pytest.mark.slow
 def test_converter_failure_reports_its_stderr(tmp_path, tiny_converted):
     tiny_converted("llama", "f32")  # skip early if the converter is unavailable
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["NoSuchModelForCausalLM"]}))
