@@ -1,11 +1,12 @@
 """Steady under load: the same diagnosis with and without a competing CPU load, side by side.
 
 Runs ``ggufcheck diagnose`` on SmolLM2-135M Q4_1 through llama.cpp (the README's model) in a
-child process, first on a quiet machine, then while ``--load`` busy processes (default: one
-per core) compete for the cores, and prints each run's wall time, its CPU time (user +
-system of the child) and CPU / wall, and the loaded / quiet ratio. Thread pools that spin
-(OpenMP, ggml) show as CPU time that buys nothing under load; the goal is a loaded run of at
-most ~2x the quiet one on 2 cores (issue 22).
+child process, on a quiet machine and while ``--load`` busy processes (default: one per
+core) compete for the cores, each with ggufcheck's thread sizing (``ggufcheck.runtime``) and
+without it (``GGUFCHECK_THREADS=off``: every pool at its default), and prints each run's wall
+time, its CPU time (user + system of the child), CPU / wall, and the loaded / quiet ratios.
+Thread pools that spin (OpenMP, ggml) show as CPU time that buys nothing under load; the goal
+is a loaded run of at most ~2x the quiet one on 2 cores (issue 22).
 
 Usage: python benchmarks/under_load.py [--load N] [--out benchmarks/results/under_load_cpu.txt]
 """
@@ -30,11 +31,15 @@ def _burn(stop) -> None:
             x = (x * 1103515245 + 12345) & 0xFFFFFFFF
 
 
-def _run(model: str) -> tuple[float, float, int]:
+def _run(model: str, sized: bool = True) -> tuple[float, float, int]:
+    env = dict(os.environ)
+    env.pop("GGUFCHECK_THREADS", None)
+    if not sized:
+        env["GGUFCHECK_THREADS"] = "off"
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "ggufcheck", "diagnose", model, "--engine", "llama-cpp", "-q"],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -51,21 +56,25 @@ def main() -> int:
     model = str(smollm2_path())
     lines = [f"# diagnose under load on {platform.machine()}, {len(os.sched_getaffinity(0))} cores, "
              f"python {platform.python_version()}", "| run | wall s | CPU s | CPU / wall | exit |", "|---|---|---|---|---|"]
-    _run(model)  # warm the caches (numba, page cache) so both runs start alike
-    quiet = _run(model)
+    _run(model)  # warm the caches (numba, page cache) so every run starts alike
+    quiet = {sized: _run(model, sized) for sized in (False, True)}
     stop = mp.Event()
     burners = [mp.Process(target=_burn, args=(stop,), daemon=True) for _ in range(args.load)]
     for b in burners:
         b.start()
     try:
-        loaded = _run(model)
+        loaded = {sized: _run(model, sized) for sized in (False, True)}
     finally:
         stop.set()
         for b in burners:
             b.join(5)
-    for name, (wall, cpu, code) in (("quiet", quiet), (f"with {args.load} busy processes", loaded)):
-        lines.append(f"| {name} | {wall:.1f} | {cpu:.1f} | {cpu / wall:.2f} | {code} |")
-    lines.append(f"\nloaded / quiet wall time: {loaded[0] / quiet[0]:.2f}x (goal: <= ~2x)")
+    for sized in (False, True):
+        how = "ggufcheck's sizing" if sized else "pools at their defaults"
+        for name, (wall, cpu, code) in (("quiet", quiet[sized]), (f"{args.load} busy processes", loaded[sized])):
+            lines.append(f"| {how}, {name} | {wall:.1f} | {cpu:.1f} | {cpu / wall:.2f} | {code} |")
+    for sized in (False, True):
+        how = "ggufcheck's sizing" if sized else "pools at their defaults"
+        lines.append(f"\n{how}: loaded / quiet wall time {loaded[sized][0] / quiet[sized][0]:.2f}x (goal: <= ~2x)")
     print("\n".join(lines))
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")

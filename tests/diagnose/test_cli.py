@@ -164,3 +164,29 @@ def test_progress_says_which_stage_and_which_prompt_and_is_off_with_quiet(tiny_l
     assert main(["diagnose", str(tiny_llama), "--engine", "reference:fp32", "--no-sanity", "--max-prompts", "1",
                  "--max-tokens", "12", "--decode-to", "0", "-q"]) == 0
     assert "stage" not in capsys.readouterr().err
+
+
+def test_thread_pools_are_sized_once_from_the_free_cores(monkeypatch):
+    """ggufcheck.runtime: every pool gets the usable cores; OpenMP sleeps at once when the
+    cores are busy and spins briefly when they are idle; a user's own setting is kept."""
+    from ggufcheck import runtime
+
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS",
+                "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "GGUFCHECK_THREADS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(runtime, "_CHOSEN", runtime._CHOSEN)  # restored after the test
+    monkeypatch.setattr(runtime, "usable_cores", lambda: 4)
+    monkeypatch.setattr(runtime, "idle_cores", lambda sample_s=0.2: 0.3)  # someone else is using the cores
+    assert runtime.configure() == 4 and runtime.threads() == 4
+    import os
+
+    assert os.environ["OMP_NUM_THREADS"] == "4" and os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice wins
+    monkeypatch.setattr(runtime, "idle_cores", lambda sample_s=0.2: 4.0)
+    runtime.configure()
+    assert os.environ["OMP_NUM_THREADS"] == "3" and os.environ["GOMP_SPINCOUNT"] == "10000"
+    assert "OMP_WAIT_POLICY" not in os.environ
+    monkeypatch.setenv("GGUFCHECK_THREADS", "off")
+    assert runtime.configure() is None
+    assert runtime.idle_cores(0.05) is None or runtime.idle_cores(0.05) >= 0

@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ggufcheck.runtime import configure
+
+    configure()  # one thread budget for torch, numba and llama.cpp, before any of them loads
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

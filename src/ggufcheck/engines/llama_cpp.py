@@ -17,7 +17,6 @@ context with the scoring context's parameters.
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -129,7 +128,9 @@ class LlamaCppEngine(Engine):
                               tip="pip install llama-cpp-python") from err
         self._lib = llama_cpp
         self.model_path = str(model_path)
-        threads = n_threads or max(1, min(8, os.cpu_count() or 1))
+        from ggufcheck.runtime import threads as runtime_threads
+
+        threads = n_threads or max(1, min(8, runtime_threads()))
         if "flash_attn" in kwargs:
             kwargs["flash_attn"] = bool(kwargs["flash_attn"])
         try:
