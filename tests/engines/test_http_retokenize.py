@@ -91,9 +91,13 @@ def test_pieces_that_round_trip_are_kept_with_their_text(engine_for):
     assert engine.detokenize(prompt + list(generation.generated)) == "xax"
 
 
-@pytest.mark.parametrize("qtypes, expected", [(None, "q8"), ("F32", "fp32"), ("F16", "fp16"), ("Q8_0", "q8")])
-def test_llama_cpp_dialects_take_the_activation_class_from_the_file(tmp_path, qtypes, expected):
-    """The baseline allowance of a llama.cpp server follows the served file's weight types."""
+@pytest.mark.parametrize("qtypes, expected, rounding", [
+    (None, "q8", {}), ("F32", "fp16", {"kv": "f16"}), ("F16", "fp16", {"activations": "f16", "kv": "f16"}),
+    ("Q8_0", "q8", {"activations": "q8_0", "kv": "f16"})])
+def test_llama_cpp_dialects_take_the_activation_class_from_the_file(tmp_path, qtypes, expected, rounding):
+    """The baseline allowance of a llama.cpp server follows the served file's weight types and
+    the servers' default f16 KV cache (a server does not report its cache type), and so does
+    the baseline run's emulation (Capabilities.rounding)."""
     from ggufcheck.testing.tiny import build_tiny_gguf
 
     server = serve([])
@@ -102,6 +106,7 @@ def test_llama_cpp_dialects_take_the_activation_class_from_the_file(tmp_path, qt
         url = f"http://127.0.0.1:{server.server_address[1]}/v1?kind=llama-cpp-python"
         engine = HttpEngine(url, vocab_size=len(VOCAB), model_path=path, options=HttpOptions(timeout_s=5, retries=0))
         assert engine.capabilities.activation_dtype == expected
+        assert dict(engine.capabilities.rounding) == rounding
     finally:
         server.shutdown()
         server.server_close()

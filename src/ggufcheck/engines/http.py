@@ -213,7 +213,7 @@ class HttpEngine(Engine):
     def _capabilities(self) -> Capabilities:
         k = self.options.top_k
         common = dict(tokenize=True, score=True, full_vocab=False, max_top_k=k, generate=True,
-                      activation_dtype=self._activation_class())
+                      activation_dtype=self._activation_class(), rounding=self._rounding())
         no_internals = dict(layer_outputs="an HTTP server exposes no per-layer tensors",
                             weights="an HTTP server exposes no loaded weights")
         if self.kind == "vllm":
@@ -235,9 +235,22 @@ class HttpEngine(Engine):
             return "bf16"
         if self._model_path is None:
             return "q8"
-        from ggufcheck.engines.llama_cpp import activation_class  # reads the GGUF only, not llama_cpp
+        from ggufcheck.engines.llama_cpp import activation_class, coarsest  # reads the GGUF only
 
-        return activation_class(self._model_path)
+        # a server does not report its KV cache type: llama-server's and llama-cpp-python's
+        # default, f16, is the finest a served cache is (F32 weights: not the fp32 class)
+        return coarsest(activation_class(self._model_path), "fp16")
+
+    def _rounding(self) -> dict[str, str]:
+        """Where a llama.cpp server rounds (Capabilities.rounding), as in process with its
+        default f16 KV cache; vLLM and unknown files: from the class."""
+        if self.kind == "vllm" or self._model_path is None:
+            return {}
+        from types import SimpleNamespace
+
+        from ggufcheck.engines.llama_cpp import rounding
+
+        return rounding(self._model_path, SimpleNamespace(type_k=1))  # 1: GGML_TYPE_F16
 
     # ---- tokenization ---------------------------------------------------------------------
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
