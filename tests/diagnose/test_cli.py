@@ -118,7 +118,8 @@ def test_an_architecture_without_a_reference_is_never_called_healthy(gemma3_path
     reference has no gemma3, and the engine-only checks (sanity, paths) still run. The old
     verdict "healthy: 237 checks passed" is gone: with nothing else wrong it is "not verified"
     (exit 5); on this file the paths stage measures one prefill and chunks of 5 differing at one
-    position (KL 0.66, a lead under investigation: issue 24), so the verdict names that (exit 1)."""
+    position (KL 0.66; transformers in fp32 agrees with the one prefill there: a lead in
+    docs/real-world-cases.md), so the verdict names that (exit 1)."""
     report = tmp_path / "d.json"
     code = main(["diagnose", str(gemma3_path), "--engine", "llama-cpp", "--no-health", "--json", str(report)])
     out = capsys.readouterr().out
