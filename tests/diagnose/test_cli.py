@@ -191,3 +191,45 @@ def test_thread_pools_are_sized_once_from_the_free_cores(monkeypatch):
     monkeypatch.setenv("GGUFCHECK_THREADS", "off")
     assert runtime.configure() is None
     assert runtime.idle_cores(0.05) is None or runtime.idle_cores(0.05) >= 0
+
+
+def test_another_engine_as_the_reference(tmp_path, monkeypatch):
+    """--reference SPEC: llama.cpp judged against transformers in fp32 (independent of
+    ggufcheck's reference and tables) agrees; a corrupted engine judged against it fails, and the
+    verdict says the two implementations disagree rather than which is wrong. The layers stage,
+    which replays ggufcheck's own reference, says why it did not run."""
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("transformers")
+    model = build_tiny_gguf("llama", tmp_path / "m.gguf", seed=1).path
+    (tmp_path / "broken_engines.py").write_text(
+        "from ggufcheck.engines.faults import ShuffledLogits\n"
+        "from ggufcheck.engines.llama_cpp import LlamaCppEngine\n\n\n"
+        "def shuffled(model_path):\n    return ShuffledLogits(LlamaCppEngine(model_path, n_ctx=2048, n_threads=2))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    common = ["--reference", "hf:fp32", "--no-sanity", "--no-health", "--max-prompts", "2", "--decode-to", "0",
+              "--sweep-to", "0"]
+    report = tmp_path / "healthy.json"
+    assert main(["diagnose", str(model), "--engine", "llama-cpp", *common, "--json", str(report)]) == 0
+    stages = {s["stage"]: s for s in json.loads(report.read_text())["stages"]}
+    assert stages["logits"]["status"] == "PASS" and "hf" in stages["logits"]["info"]["reference"]
+    assert "compares the served output only" in json.dumps(stages["layers"])
+    report = tmp_path / "broken.json"
+    assert main(["diagnose", str(model), "--engine", "python:broken_engines:shuffled", *common,
+                 "--json", str(report)]) == ExitStatus.FINDINGS
+    verdict = json.loads(report.read_text())["verdict"]
+    assert "disagree" in verdict["message"] and "which of the two is wrong" in verdict["message"], verdict
+
+
+def test_transformers_own_gguf_loader_as_the_reference(tmp_path):
+    """--reference hf-gguf: transformers' own GGUF loader (its dequantization, tensor mapping and
+    config reading, nothing of ggufcheck's tables) judges llama.cpp on a tiny llama: they agree."""
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("accelerate")
+    model = build_tiny_gguf("llama", tmp_path / "m.gguf", seed=2).path
+    report = tmp_path / "r.json"
+    code = main(["diagnose", str(model), "--engine", "llama-cpp", "--reference", "hf-gguf", "--no-sanity",
+                 "--no-health", "--max-prompts", "2", "--decode-to", "0", "--sweep-to", "0", "--json", str(report)])
+    stages = {s["stage"]: s for s in json.loads(report.read_text())["stages"]}
+    assert code == 0, [r["message"] for s in stages.values() for r in s["results"] if r["status"] == "FAIL"]
+    assert stages["logits"]["status"] == "PASS"
+    assert "transformers GGUF loader" in stages["logits"]["info"]["reference"]

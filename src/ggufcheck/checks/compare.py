@@ -162,7 +162,9 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
             base_tables = [baseline_engine.score(s) for s in seqs]
             measured = baseline_from(collect(list(zip(ref_tables, base_tables))),
                                      f"measured {_short(baseline_engine)} vs {_short(reference)}")
-        baseline = combined_baseline(measured, engine.capabilities.activation_dtype)
+        # held to the coarser of the two sides' classes: another engine as the reference rounds too
+        baseline = combined_baseline(measured, _coarser(engine.capabilities.activation_dtype,
+                                                        reference.capabilities.activation_dtype))
         judged_refs, judged_tables = list(ref_tables), list(tables)
         longest = max(len(q) for q in seqs)
         for g in generations[:1]:  # the long decode's sequence, teacher-forced: prefill positions past the prompts
@@ -245,6 +247,13 @@ def _sweep(engine: Engine, seqs, generations, reference_score, baseline: Baselin
     measured = baseline_engine.score(sequence) if baseline_engine is not None else None
     return check_prefill_lengths(engine, sequence, reference_score(sequence), baseline, options.tolerance, marks,
                                  options.top_k, measured=measured)
+
+
+CLASS_ORDER = ("fp64", "fp32", "fp16", "bf16", "q8")  # finest to coarsest
+
+
+def _coarser(a: str, b: str) -> str:
+    return max(a, b, key=lambda c: CLASS_ORDER.index(c) if c in CLASS_ORDER else 0)
 
 
 def _score_what_the_engine_takes(engine: Engine, seqs: list[list[int]], top_k: int):
@@ -400,15 +409,24 @@ def run(session: "Session") -> list[StageReport]:
         reference = session.reference()
     except GGUFCheckError as err:  # e.g. an architecture ggufcheck's reference lacks: sanity and paths still run
         reason = f"the reference is unavailable: {err.message}"
-    if reference is not None:
+    independent = reference is not None and o.reference not in ("reference", "reference:fp64")
+    if reference is not None and not independent:  # a measured baseline is ggufcheck's reference's own
         try:
             baseline = session.baseline()
         except GGUFCheckError as err:
             session.say(f"baseline {o.baseline} unavailable ({err.message}); using stated allowances")
-    return run_compare(
+    stages = run_compare(
         engine, tokens, reference=reference, reference_reason=reason, baseline_engine=baseline,
         options=CompareOptions(max_new_tokens=o.new_tokens, run_sanity=o.sanity, run_paths=o.paths,
                                indexer_top_k=indexer_top_k, top_k=o.top_k, long_decode_to=o.decode_to,
                                sweep_to=o.sweep_to),
         progress=session.say, long_prompt=long_prompt,
     )
+    if independent:  # two implementations: agreement is evidence, a disagreement does not say who is wrong
+        for stage in stages:
+            if stage.stage == "logits":
+                stage.info["reference"] = f"{reference.name} (--reference {o.reference})"
+                for r in stage.failures:
+                    r.message += (f"; the engine and the reference {reference.name} disagree: without a third "
+                                  "implementation this does not say which of the two is wrong")
+    return stages

@@ -40,6 +40,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "micro-batch, cache block sizes) up to LEN tokens (default 520; 0: no sweep)")
     p.add_argument("--top-k", type=int, default=20, help="top-k requested from engines without full logits (default 20)")
     p.add_argument("--timeout", type=float, default=60.0, help="HTTP engines: seconds per request (default 60)")
+    p.add_argument("--reference", default="reference", metavar="SPEC",
+                   help="the trusted implementation: ggufcheck's fp64 reference (default) or another engine "
+                        "(e.g. hf:fp32, llama-cpp:type_k=0,type_v=0); two independent implementations agreeing is "
+                        "the evidence, and where they disagree the verdict says so, not which is wrong")
     p.add_argument("--baseline", default="reference:fp32", metavar="SPEC",
                    help="low-precision reference run giving a correct engine's expected error (or 'none')")
     p.add_argument("--no-health", dest="health", action="store_false", help="skip the dequantization health scan")
@@ -71,6 +75,7 @@ def options_from(args: argparse.Namespace) -> DiagnoseOptions:
         prompts=args.prompts, max_prompts=args.max_prompts, max_tokens=args.max_tokens, health=args.health,
         kernels=args.kernels, sanity=args.sanity, shard_numeric=args.shard_numeric, baseline=args.baseline,
         top_k=args.top_k, timeout=args.timeout, decode_to=args.decode_to, sweep_to=args.sweep_to,
+        reference=args.reference,
     )
 
 

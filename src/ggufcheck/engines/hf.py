@@ -111,6 +111,46 @@ class HFEngine(GGUFVocabTokenizer, Engine):
         )
 
     @classmethod
+    def from_transformers_gguf(cls, model_path: str | Path, *, dtype: str = "fp32", device: str = "cpu") -> "HFEngine":
+        """transformers' OWN GGUF loader (``from_pretrained(gguf_file=...)``: its dequantization,
+        its tensor mapping, its config reading) and its modeling code: an implementation that
+        shares nothing with ggufcheck's tables or reference (``--engine/--reference hf-gguf``).
+        It covers the architectures transformers' GGUF support lists (gemma3, qwen3moe, ...)."""
+        try:
+            import torch
+            import transformers
+        except ImportError as err:
+            raise Unavailable(f"transformers is not installed ({err})", tip="pip install 'ggufcheck[hf]'") from err
+        try:
+            import accelerate  # noqa: F401 - transformers' GGUF loader requires it
+        except ImportError as err:
+            raise Unavailable("transformers' GGUF loader needs accelerate", tip="pip install accelerate") from err
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise Unavailable(f"hf-gguf@{device}: torch sees no CUDA device (torch {torch.__version__})")
+        path = Path(model_path)
+        torch_dtype = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16,
+                       "fp16": torch.float16}[dtype]
+        try:
+            module = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                       dtype=torch_dtype)
+        except (ValueError, KeyError, NotImplementedError, OSError) as err:
+            raise Unsupported(f"transformers' GGUF loader refused {path.name}: {str(err).splitlines()[0][:200]}") \
+                from None
+        module.to(device)
+        tokenizer = None
+        try:
+            from ggufcheck.gguf.reader import open_gguf
+            from ggufcheck.tokenizer import load_tokenizer
+
+            with open_gguf(path) as model:
+                tokenizer = load_tokenizer(model)
+        except Exception:  # noqa: BLE001 - no tokenizer: the diagnosis tokenizes with the engine under test
+            tokenizer = None
+        where = "" if device == "cpu" else f" on {device}"
+        return cls(module, dtype=dtype, name=f"transformers GGUF loader {type(module).__name__} {dtype}{where} "
+                                             f"({path.name})", tokenizer=tokenizer)
+
+    @classmethod
     def from_gguf(cls, model_path: str | Path, *, dtype: str = "fp32", device: str = "cpu") -> "HFEngine":
         try:
             import torch

@@ -3,6 +3,9 @@
     reference[:fp32|fp64]        ggufcheck's reference model over MODEL.gguf
     hf[:fp32|bf16|fp16|fp64][@cpu|@cuda[:N]]
                                  transformers model rebuilt from MODEL.gguf by ggufcheck
+    hf-gguf[:fp32|bf16|fp16|fp64][@cpu|@cuda[:N]]
+                                 transformers' own GGUF loader and modeling code (needs
+                                 accelerate): independent of ggufcheck's tables and reference
     llama-cpp[:key=value,...]    llama.cpp in process (n_ctx=, n_threads=, n_batch=, seed=,
                                  type_k=/type_v= KV-cache ggml types: 0 F32, 1 F16 default,
                                  8 Q8_0; flash_attn=0|1)
@@ -22,7 +25,7 @@ from pathlib import Path
 from ggufcheck.engines.base import Engine
 from ggufcheck.errors import UsageError
 
-SPEC_HELP = ("reference[:fp32], hf[:bf16][@cuda], llama-cpp[:n_ctx=N,n_threads=N], vllm[:tp=N,dtype=D,max_model_len=N], "
+SPEC_HELP = ("reference[:fp32], hf[:bf16][@cuda], hf-gguf[:fp32] (transformers' own GGUF loader), llama-cpp[:n_ctx=N,n_threads=N], vllm[:tp=N,dtype=D,max_model_len=N], "
              "http://HOST:PORT[/v1], python:MODULE:FACTORY")
 
 
@@ -41,6 +44,8 @@ def open_engine(spec: str, model_path: str | Path | None, **kwargs) -> Engine:
     head, _, rest = spec.partition(":")
     if spec.startswith("hf@"):  # hf@cuda: the default dtype on a device
         head, rest = "hf", spec[2:]
+    if spec.startswith("hf-gguf@"):
+        head, rest = "hf-gguf", spec[len("hf-gguf"):]
     if spec.startswith(("http://", "https://")):
         from ggufcheck.engines.http import HttpEngine, HttpOptions
 
@@ -76,7 +81,7 @@ def open_engine(spec: str, model_path: str | Path | None, **kwargs) -> Engine:
         if dtype not in ("fp32", "fp64"):
             raise UsageError(f"--engine {spec}: the reference computes in fp32 or fp64")
         return ReferenceEngine(model_path, dtype=dtype, **kwargs)
-    if head == "hf":
+    if head in ("hf", "hf-gguf"):
         from ggufcheck.engines.hf import HFEngine
 
         dtype, _, device = rest.partition("@")
@@ -87,5 +92,7 @@ def open_engine(spec: str, model_path: str | Path | None, **kwargs) -> Engine:
         index = device.partition(":")[2] if device.startswith("cuda:") else ""
         if device not in ("cpu", "cuda") and not (device.startswith("cuda:") and index.isdigit()):
             raise UsageError(f"--engine {spec}: device must be cpu, cuda or cuda:N", tip="e.g. hf:bf16@cuda:0")
+        if head == "hf-gguf":
+            return HFEngine.from_transformers_gguf(model_path, dtype=dtype, device=device)
         return HFEngine.from_gguf(model_path, dtype=dtype, device=device)
     raise UsageError(f"--engine {spec}: unknown engine", tip=f"one of: {SPEC_HELP}")

@@ -287,6 +287,12 @@ def run(session: "Session") -> list[StageReport]:
         report = StageReport(STAGE)
         report.add(skipped(STAGE, "output", engine.capabilities.why_not("layer_outputs")))
         return [report]
-    reference, baseline = session.reference().model, session.baseline_model()  # loaded first: the label follows the work
+    reference = getattr(session.reference(), "model", None)
+    if reference is None:
+        report = StageReport(STAGE)
+        report.add(skipped(STAGE, "output", f"the layers stage replays ggufcheck's reference model; --reference "
+                                            f"{session.options.reference} compares the served output only"))
+        return [report]
+    baseline = session.baseline_model()  # loaded first: the label follows the work
     session.say("comparing every layer with the reference")
     return [run_layers_stage(engine, reference, session.tokens(), baseline_reference=baseline, progress=session.say)]
