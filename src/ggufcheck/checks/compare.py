@@ -156,15 +156,6 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
         ignored = input_ignored(ref_tables, _fit_vocab(tables, reference.vocab_size))
         if ignored is not None:
             logits_stage.add(ignored)
-        measured = None
-        if baseline_engine is not None:
-            say(f"scoring {len(seqs)} prompts on {baseline_engine.name} (baseline)")
-            base_tables = [baseline_engine.score(s) for s in seqs]
-            measured = baseline_from(collect(list(zip(ref_tables, base_tables))),
-                                     f"measured {_short(baseline_engine)} vs {_short(reference)}")
-        # held to the coarser of the two sides' classes: another engine as the reference rounds too
-        baseline = combined_baseline(measured, _coarser(engine.capabilities.activation_dtype,
-                                                        reference.capabilities.activation_dtype))
         judged_refs, judged_tables = list(ref_tables), list(tables)
         longest = max(len(q) for q in seqs)
         for g in generations[:1]:  # the long decode's sequence, teacher-forced: prefill positions past the prompts
@@ -175,6 +166,15 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
                     continue
                 judged_refs.append(reference_score(g.sequence))
                 judged_tables.append(long_table)
+        measured = None
+        if baseline_engine is not None:  # on the very sequences judged (the long one accumulates more)
+            say(f"scoring {len(judged_refs)} sequences on {baseline_engine.name} (baseline)")
+            base_tables = [baseline_engine.score(list(r.tokens)) for r in judged_refs]
+            measured = baseline_from(collect(list(zip(judged_refs, base_tables))),
+                                     f"measured {_short(baseline_engine)} vs {_short(reference)}")
+        # held to the coarser of the two sides' classes: another engine as the reference rounds too
+        baseline = combined_baseline(measured, _coarser(engine.capabilities.activation_dtype,
+                                                        reference.capabilities.activation_dtype))
         metrics = collect(list(zip(judged_refs, _fit_vocab(judged_tables, reference.vocab_size))))
         prefill_checks = judge(metrics, baseline, options.tolerance, detokenize=_detokenizer(engine, reference))
         logits_stage.add(prefill_checks)

@@ -12,8 +12,10 @@ prefix's rows are the sequence's first rows; one reference prefill serves every 
 The answer says which lengths are right, the threshold where they stop being right, which
 landmark it sits on, and whether the longer prompt is wrong everywhere (the length switched
 the path: a length-triggered fault) or only from some position on (a position-triggered one).
-Limits are the logits stage's: mean KL and the per-row maximum within ``multiple * baseline
-+ floor`` of the engine's numerical class.
+A length fails when its mean KL is over the logits stage's limit (``multiple * baseline +
+floor`` of the engine's class, widened by the emulated baseline at that length), or when its
+rows go wrong from some position on (at least half of the rows from there over the per-row
+limit); an isolated row over it (a routing near-tie flip) is not a threshold.
 """
 
 from __future__ import annotations
@@ -127,7 +129,10 @@ def check_prefill_lengths(engine: Engine, sequence: Sequence[int], reference: To
         mean, p99 = float(np.mean(kl)), float(np.percentile(kl, 99))
         rows.append({"length": n, "mean_kl": mean, "p99_kl": p99, "max_kl": float(np.max(kl)),
                      "kl_limit": limit, "kl_p99_limit": max_limit,
-                     "ok": bool(mean <= limit and p99 <= max_limit), "onset": _onset(kl > max_limit, m.position)})
+                     "onset": _onset(kl > max_limit, m.position)})
+        # a length fails on its mean, or where its rows go wrong from some position on; not on a
+        # percentile, which over a short prefix is one row (a routing near-tie flip)
+        rows[-1]["ok"] = bool(mean <= limit and rows[-1]["onset"] is None)
     stats = {"lengths": rows, "baseline": baseline.source + ("; per length, the baseline run's error where larger"
                                                              if measured is not None else "")}
     if not rows:
@@ -139,8 +144,8 @@ def check_prefill_lengths(engine: Engine, sequence: Sequence[int], reference: To
         longest = rows[-1]
         return passed(CHECK, "prefill", f"prompts of {judged} tokens (each landmark b and b + 1) agree with the "
                                         f"reference (at {longest['length']}: mean KL {longest['mean_kl']:.3g} within "
-                                        f"{longest['kl_limit']:.3g}, 99th percentile {longest['p99_kl']:.3g} within "
-                                        f"{longest['kl_p99_limit']:.3g})" + tail, stats=stats)
+                                        f"{longest['kl_limit']:.3g}, no run of rows over {longest['kl_p99_limit']:.3g})"
+                                        + tail, stats=stats)
     return failed(CHECK, *_threshold(rows, marks), stats=stats | {"threshold": _first_failing(rows)})
 
 
@@ -179,7 +184,7 @@ def _threshold(rows: list[dict], marks: Sequence[Landmark]) -> tuple[str, str]:
                            f"{', '.join(map(str, passes)) or 'none'} agree: no single length threshold")
     last_ok = max(p for p in passes if p < first)
     row = next(r for r in rows if r["length"] == first)
-    failing = f"{', '.join(map(str, fails))} fail; at {first}: mean KL {row['mean_kl']:.3g}, p99 {row['p99_kl']:.3g}"
+    failing = f"{', '.join(map(str, fails))} fail; at {first}: mean KL {row['mean_kl']:.3g} (limit {row['kl_limit']:.3g})"
     onset = row["onset"]
     if onset is not None and onset > 0:  # the first rows agree: the fault follows the position
         mark = next((m for m in marks if m.length == onset), None)
