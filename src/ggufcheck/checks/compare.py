@@ -36,7 +36,7 @@ from ggufcheck.checks.logits import (
 from ggufcheck.checks.alignment import Realigned, detect_offset, input_ignored, shift_rows
 from ggufcheck.checks.paths import first_divergence, landmarks, PathOptions, run_paths
 from ggufcheck.checks.sanity import SanityLimits, run_sanity
-from ggufcheck.engines.base import Engine, TokenLogprobs, Unsupported
+from ggufcheck.engines.base import Engine, TokenLogprobs, Unsupported, coarsest
 from ggufcheck.results import Result, StageReport, Status, failed, passed, skipped
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -173,7 +173,7 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
             measured = baseline_from(collect(list(zip(judged_refs, base_tables))),
                                      f"measured {_short(baseline_engine)} vs {_short(reference)}")
         # held to the coarser of the two sides' classes: another engine as the reference rounds too
-        baseline = combined_baseline(measured, _coarser(engine.capabilities.activation_dtype,
+        baseline = combined_baseline(measured, coarsest(engine.capabilities.activation_dtype,
                                                         reference.capabilities.activation_dtype))
         metrics = collect(list(zip(judged_refs, _fit_vocab(judged_tables, reference.vocab_size))))
         prefill_checks = judge(metrics, baseline, options.tolerance, detokenize=_detokenizer(engine, reference))
@@ -247,13 +247,6 @@ def _sweep(engine: Engine, seqs, generations, reference_score, baseline: Baselin
     measured = baseline_engine.score(sequence) if baseline_engine is not None else None
     return check_prefill_lengths(engine, sequence, reference_score(sequence), baseline, options.tolerance, marks,
                                  options.top_k, measured=measured)
-
-
-CLASS_ORDER = ("fp64", "fp32", "fp16", "bf16", "q8")  # finest to coarsest
-
-
-def _coarser(a: str, b: str) -> str:
-    return max(a, b, key=lambda c: CLASS_ORDER.index(c) if c in CLASS_ORDER else 0)
 
 
 def _score_what_the_engine_takes(engine: Engine, seqs: list[list[int]], top_k: int):

@@ -53,6 +53,16 @@ class Unsupported(Unavailable):
     """The engine does not offer this capability; checks needing it are skipped."""
 
 
+# numerical classes (Capabilities.activation_dtype) from finest to coarsest
+CLASS_ORDER = ("fp64", "fp32", "fp16", "bf16", "q8")
+
+
+def coarsest(*classes: str) -> str:
+    """The coarsest of numerical classes (the allowance of the coarsest applies; an unknown
+    class counts as the finest)."""
+    return max(classes, key=lambda c: CLASS_ORDER.index(c) if c in CLASS_ORDER else 0)
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What an adapter offers. ``reasons`` explains each capability it lacks."""

@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ggufcheck.engines.base import Capabilities, Engine, Generation, TokenLogprobs, Unsupported, reasons
+from ggufcheck.engines.base import Capabilities, Engine, Generation, TokenLogprobs, Unsupported, coarsest, reasons
 from ggufcheck.errors import EngineUnreachable
 
 DIALECTS = ("vllm", "llama-cpp-python", "llama-server")
@@ -235,7 +235,7 @@ class HttpEngine(Engine):
             return "bf16"
         if self._model_path is None:
             return "q8"
-        from ggufcheck.engines.llama_cpp import activation_class, coarsest  # reads the GGUF only
+        from ggufcheck.engines.llama_cpp import activation_class  # reads the GGUF only
 
         # a server does not report its KV cache type: llama-server's and llama-cpp-python's
         # default, f16, is the finest a served cache is (F32 weights: not the fp32 class)

@@ -30,6 +30,7 @@ from ggufcheck.engines.base import (
     LayerTrace,
     TokenLogprobs,
     Unsupported,
+    coarsest,
     log_softmax,
     reasons,
 )
@@ -87,13 +88,7 @@ def rounding(model_path: str | Path, params: Any) -> dict[str, str]:
     return out
 
 
-# numerical classes from finest to coarsest (the allowance of the coarsest applies)
-CLASS_ORDER = ("fp64", "fp32", "fp16", "bf16", "q8")
 GGML_TYPE_CLASS = {0: "fp32", 1: "fp16", 30: "bf16"}  # KV cache types; any other (Q8_0, Q4_0, ...) is q8
-
-
-def coarsest(*classes: str) -> str:
-    return max(classes, key=CLASS_ORDER.index)
 
 
 def context_class(params: Any) -> str:
