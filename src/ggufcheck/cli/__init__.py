@@ -24,6 +24,7 @@ COMMANDS = [
     "reference",
     "shard",
     "compare",
+    "quants",
     "diagnose",
     "export",
     "demo",

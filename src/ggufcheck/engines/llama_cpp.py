@@ -12,6 +12,11 @@ weights, so for quantized files its numerical class is "q8" (``activation_class`
 context adds its own rounding (``context_class``): the KV cache types (F16 by default) and
 flash attention; the coarser of the two classes is the engine's. The layer trace runs on a
 context with the scoring context's parameters.
+
+On a GPU (``n_gpu_layers`` > 0, a llama.cpp library built with CUDA: ``LLAMA_CPP_LIB_PATH``
+names its folder) the quantized matmuls quantize activations to Q8_1 blocks of 32 values
+(mmq / mmvq) whatever the weight type, and cuBLAS multiplies F16 weights in f16
+(``gpu_rounding``). A library without a GPU backend makes a GPU request Unavailable.
 """
 
 from __future__ import annotations
@@ -81,10 +86,27 @@ def rounding(model_path: str | Path, params: Any) -> dict[str, str]:
     out = {}
     if dominant != "F32":
         out["activations"] = {"F16": "f16", "BF16": "bf16"}.get(
-            dominant, "q8_k" if dominant.endswith("_K") else "q8_0")
+            dominant, "q8_0" if dominant in VEC_DOT_Q8_0 else "q8_k")  # K, IQ, TQ types: Q8_K
     kv = {0: None, 1: "f16", 30: "bf16"}.get(int(params.type_k), "q8_0")
     if kv is not None:
         out["kv"] = kv
+    return out
+
+
+# ggml's vec_dot_type on CPU per weight type: the block format activations are quantized to
+VEC_DOT_Q8_0 = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q8_1", "IQ4_NL", "MXFP4"})
+
+
+def gpu_rounding(model_path: str | Path, params: Any) -> dict[str, str]:
+    """Where llama.cpp's CUDA backend rounds: the activations of quantized matmuls to Q8_1
+    (blocks of 32, emulated as Q8_0) for every quant type, F16 / BF16 weights' matmuls in
+    f16 / bf16 (cuBLAS), the KV cache as on CPU."""
+    out = rounding(model_path, params)
+    act = out.get("activations")
+    if act in ("q8_0", "q8_k"):
+        out["activations"] = "q8_0"
+    elif act in ("f16", "bf16"):
+        out["outputs"] = act
     return out
 
 
@@ -98,6 +120,12 @@ def context_class(params: Any) -> str:
     kv = [GGML_TYPE_CLASS.get(int(t), "q8") for t in (params.type_k, params.type_v)]
     flash = int(getattr(params, "flash_attn_type", 0)) == 1  # LLAMA_FLASH_ATTN_TYPE_ENABLED
     return coarsest(*kv, "fp16" if flash else "fp32")
+
+
+def library_dir(llama_cpp_module: Any) -> Path:
+    """The folder llama-cpp-python loaded libllama from (LLAMA_CPP_LIB_PATH, else its own lib/)."""
+    base = getattr(getattr(llama_cpp_module, "llama_cpp", None), "_base_path", None)
+    return Path(base) if base is not None else Path(llama_cpp_module.__file__).parent / "lib"
 
 
 class _GGMLTensorHead(ctypes.Structure):
@@ -115,12 +143,19 @@ class LlamaCppEngine(Engine):
     """llama.cpp in process. ``n_ctx`` bounds the longest sequence scored."""
 
     def __init__(self, model_path: str | Path, *, n_ctx: int = 2048, n_threads: int | None = None,
-                 n_batch: int = 512, seed: int = 0, **kwargs: Any):
+                 n_batch: int = 512, seed: int = 0, n_gpu_layers: int = 0, **kwargs: Any):
         try:
             import llama_cpp
-        except ImportError as err:  # pragma: no cover - depends on the environment
-            raise Unavailable(f"llama-cpp-python is not installed ({err})",
-                              tip="pip install llama-cpp-python") from err
+        except (ImportError, OSError, RuntimeError) as err:  # not installed, or its library will not load
+            raise Unavailable(f"llama-cpp-python is not usable here ({err})",
+                              tip="pip install llama-cpp-python; for a GPU, LLAMA_CPP_LIB_PATH names a "
+                                  "folder with a CUDA build's libllama.so") from err
+        if n_gpu_layers and not llama_cpp.llama_supports_gpu_offload():
+            raise Unavailable(f"the llama.cpp library llama-cpp-python loaded ({library_dir(llama_cpp)}) has no "
+                              "GPU backend, so n_gpu_layers cannot offload",
+                              tip="build llama.cpp with -DGGML_CUDA=ON and set LLAMA_CPP_LIB_PATH to its "
+                                  "build/bin (tools/gpu/llama_cpp_cuda.sh)")
+        self.on_gpu = bool(n_gpu_layers)
         self._lib = llama_cpp
         self.model_path = str(model_path)
         from ggufcheck.runtime import threads as runtime_threads
@@ -131,7 +166,8 @@ class LlamaCppEngine(Engine):
         try:
             self._llm = llama_cpp.Llama(
                 model_path=self.model_path, n_ctx=n_ctx, n_batch=n_batch, n_threads=threads,
-                n_threads_batch=threads, logits_all=True, seed=seed, verbose=False, **kwargs,
+                n_threads_batch=threads, logits_all=True, seed=seed, verbose=False,
+                n_gpu_layers=n_gpu_layers, **kwargs,
             )
         except ValueError as err:  # llama.cpp refused the model or the context settings
             from ggufcheck.errors import UsageError
@@ -144,13 +180,15 @@ class LlamaCppEngine(Engine):
         self.n_ctx = n_ctx
         self.n_batch = n_batch
         self.vocab_size = int(self._llm.n_vocab())
-        self.name = f"llama-cpp ({Path(self.model_path).name})"
+        self.name = f"llama-cpp ({Path(self.model_path).name}{', GPU' if self.on_gpu else ''})"
+        params = self._llm.context_params
+        round_at = (gpu_rounding if self.on_gpu else rounding)(self.model_path, params)
         self.capabilities = Capabilities(
             tokenize=True, score=True, full_vocab=True, max_top_k=self.vocab_size, generate=True,
             batch=False, chunked_prefill=True,
             layer_outputs=frozenset(NODE_KINDS.values()),
-            activation_dtype=coarsest(activation_class(self.model_path), context_class(self._llm.context_params)),
-            max_sequence=n_ctx, rounding=rounding(self.model_path, self._llm.context_params),
+            activation_dtype=coarsest(activation_class(self.model_path), context_class(params)),
+            max_sequence=n_ctx, rounding=round_at,
             # llama-cpp-python feeds a prompt in pieces of n_batch; llama.cpp splits each into
             # micro-batches of n_ubatch
             prefill_micro_batch=min(n_batch, int(self._llm.context_params.n_ubatch) or n_batch),
@@ -225,7 +263,7 @@ class LlamaCppEngine(Engine):
         tokens = [int(t) for t in tokens]
         self._check_length(len(tokens))
         wanted = {name for name, kind in NODE_KINDS.items() if kind in kinds}
-        ggml = ctypes.CDLL(str(Path(lib.__file__).parent / "lib" / "libggml-base.so"))
+        ggml = ctypes.CDLL(str(library_dir(lib) / "libggml-base.so"))
         ggml.ggml_get_name.restype = ctypes.c_char_p
         ggml.ggml_get_name.argtypes = [ctypes.c_void_p]
         ggml.ggml_nbytes.restype = ctypes.c_size_t

@@ -8,7 +8,8 @@
                                  accelerate): independent of ggufcheck's tables and reference
     llama-cpp[:key=value,...]    llama.cpp in process (n_ctx=, n_threads=, n_batch=, seed=,
                                  type_k=/type_v= KV-cache ggml types: 0 F32, 1 F16 default,
-                                 8 Q8_0; flash_attn=0|1)
+                                 8 Q8_0; flash_attn=0|1; n_gpu_layers=N offloads N layers
+                                 (99: all) to a GPU build named by LLAMA_CPP_LIB_PATH)
     vllm[:tp=N,dtype=fp32|bf16|fp16,max_model_len=N,kv_cache_gib=N]
                                  the real vLLM (GGUF plug-in) in its own interpreter
                                  (python=; --python PATH), every TP rank reachable
@@ -25,7 +26,7 @@ from pathlib import Path
 from ggufcheck.engines.base import Engine
 from ggufcheck.errors import UsageError
 
-SPEC_HELP = ("reference[:fp32], hf[:bf16][@cuda], hf-gguf[:fp32] (transformers' own GGUF loader), llama-cpp[:n_ctx=N,n_threads=N], vllm[:tp=N,dtype=D,max_model_len=N], "
+SPEC_HELP = ("reference[:fp32], hf[:bf16][@cuda], hf-gguf[:fp32] (transformers' own GGUF loader), llama-cpp[:n_ctx=N,n_gpu_layers=N], vllm[:tp=N,dtype=D,max_model_len=N], "
              "http://HOST:PORT[/v1], python:MODULE:FACTORY")
 
 
@@ -63,7 +64,8 @@ def open_engine(spec: str, model_path: str | Path | None, **kwargs) -> Engine:
         from ggufcheck.engines.llama_cpp import LlamaCppEngine
 
         # type_k/v: ggml type of the KV cache (0 F32, 1 F16 default, 8 Q8_0); flash_attn: 0/1
-        allowed = {"n_ctx", "n_threads", "n_batch", "seed", "type_k", "type_v", "flash_attn"}
+        allowed = {"n_ctx", "n_threads", "n_batch", "seed", "type_k", "type_v", "flash_attn", "n_gpu_layers",
+                   "main_gpu"}
         opts = _options(rest, spec)
         unknown = set(opts) - allowed
         if unknown:

@@ -77,3 +77,17 @@ def random_blocks(rng: np.random.Generator, n_rows: int, row_elements: int, qtyp
     else:
         raise ValueError(f"no random-block recipe for {qtype.name}")
     return data.reshape(n_rows, n_blocks * ts)
+
+
+def scale_blocks(data: np.ndarray, qtype: Q, factor: float) -> np.ndarray:
+    """``data`` (rows of ``qtype`` blocks) with every fp16 scale field multiplied by
+    ``factor``: each of these types dequantizes linearly in its scales (d, and dmin where it
+    has one), so the whole tensor is scaled by ``factor`` (to fp16 rounding)."""
+    if qtype not in F16_SCALE_OFFSETS:
+        raise ValueError(f"{qtype.name} has no fp16 scale fields to scale")
+    ts = GGML_QUANT_SIZES[qtype][1]
+    blocks = data.reshape(-1, ts).copy()
+    for off in F16_SCALE_OFFSETS[qtype]:
+        scale = blocks[:, off:off + 2].copy().view("<f2").astype(np.float32) * np.float32(factor)
+        blocks[:, off:off + 2] = scale.astype("<f2").view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(data.shape)

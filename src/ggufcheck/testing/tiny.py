@@ -464,8 +464,10 @@ def encode(x: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
     """Encode float32 ``x`` as ``qtype`` data for GGUFWriter.add_tensor(raw_dtype=qtype).
 
     F32 -> float32, F16 -> float16; types gguf-py can quantize -> its bytes; any other
-    quant type -> random valid blocks from ``rng`` (the values of ``x`` are then not
-    represented: dequantize the file to get the weights).
+    quant type -> random valid blocks from ``rng`` with ``x``'s standard deviation (the values
+    of ``x`` are then not represented: dequantize the file to get the weights). The spread
+    matters: random bytes alone give weights 1000x apart from type to type, and a model whose
+    activations explode is too ill-conditioned to tell one kernel from another.
     """
     if qtype == Q.F32:
         return np.ascontiguousarray(x, dtype=np.float32)
@@ -476,6 +478,11 @@ def encode(x: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
     except NotImplementedError:
         n_rows = int(np.prod(x.shape[:-1]))
         blocks = qblocks.random_blocks(rng, n_rows, x.shape[-1], qtype)
+        want = float(np.std(x)) if x.size else 0.0
+        if qtype in qblocks.F16_SCALE_OFFSETS and want > 0:
+            got = float(np.std(gguf.quants.dequantize(blocks, qtype)))
+            if got > 0:
+                blocks = qblocks.scale_blocks(blocks, qtype, want / got)
         return blocks.reshape(*x.shape[:-1], blocks.shape[-1])
 
 

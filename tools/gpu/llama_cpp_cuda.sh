@@ -1,0 +1,84 @@
+#!/bin/bash
+# Issue 20 on the lent H200, in one device call: build llama.cpp with CUDA (or unpack a build
+# an earlier call returned), then drive it from ggufcheck: the kernel matrix (`ggufcheck
+# quants`), `diagnose` through the CUDA engine, and llama-server over HTTP.
+#
+# Stage first, here: bash tools/gpu/stage_llama_cpp.sh   (fills the git-ignored .gpu/)
+# Device call:       bash tools/gpu/llama_cpp_cuda.sh [STEPS]   with carry [".gpu"]
+#   STEPS: comma-separated subset of build,matrix,lead,server,hf (default: all)
+# Writes $OUT/log.txt-style logs per step, $OUT/results.tgz, and on a fresh build the
+# build's bin/ as $OUT/bin.tar.xz.part* (< 16 MiB each): move them to .gpu/prebuilt/ and the
+# next call skips the 5-minute build.
+set -u
+export PYTHONUNBUFFERED=1 COLUMNS=150 GGUFCHECK_THREADS=8
+STEPS=",${1:-build,matrix,lead,server,hf},"
+DEADLINE=${DEADLINE:-560}
+W=/tmp/l20; mkdir -p $W/models
+has() { [[ "$STEPS" == *",$1,"* ]]; }
+step() {  # step LIMIT NAME cmd...: min(LIMIT, time left); output to $W/NAME.log and the console tail
+  local lim=$1 name=$2; shift 2
+  local left=$((DEADLINE - SECONDS)); [ "$left" -lt "$lim" ] && lim=$left
+  if [ "$lim" -le 5 ]; then echo "=== SKIPPED $name (no time left, t=${SECONDS}s)"; return; fi
+  echo "=== START $name t=${SECONDS}s limit=${lim}s: $*"
+  timeout -k 5 "$lim" "$@" > $W/$name.log 2>&1; local rc=$?
+  echo "=== END $name rc=$rc t=${SECONDS}s"; tail -n ${TAILN:-25} $W/$name.log
+}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD/.gpu/site:$PWD/src
+nvidia-smi --query-gpu=name,driver_version,compute_cap --format=csv,noheader; nvcc --version | tail -1
+
+B=/tmp/llb
+if ls .gpu/prebuilt/bin.tar.xz.part* >/dev/null 2>&1; then
+  mkdir -p $B && cat .gpu/prebuilt/bin.tar.xz.part* | xz -d | tar -C $B -x && echo "=== unpacked the carried build t=${SECONDS}s"
+elif has build; then
+  cmake -S .gpu/llama.cpp -B $B -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
+    -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release > $W/cmake.log 2>&1 \
+    || { tail -30 $W/cmake.log; exit 1; }
+  echo "=== configured t=${SECONDS}s"
+  cmake --build $B -j16 --target llama llama-server > $W/build.log 2>&1 || { tail -40 $W/build.log; exit 1; }
+  echo "=== built t=${SECONDS}s"; ls -la $B/bin | head -30
+  (cd $B && find bin -maxdepth 1 \( -name '*.so*' -o -name llama-server \) | tar -cf - -T - | xz -T16 -6 \
+     | split -b 15M - $OUT/bin.tar.xz.part) && ls -la $OUT
+fi
+export LLAMA_CPP_LIB_PATH=$B/bin
+python3 -c "import llama_cpp; print('gpu offload:', llama_cpp.llama_supports_gpu_offload()); print(llama_cpp.llama_print_system_info().decode())"
+
+if has matrix; then
+  TAILN=30 step 150 quants-ngl99 python3 -m ggufcheck quants --engine llama-cpp:n_gpu_layers=99 --json $W/quants-ngl99.json
+  TAILN=30 step 120 quants-ngl99-fa python3 -m ggufcheck quants --engine llama-cpp:n_gpu_layers=99,flash_attn=1 --json $W/quants-ngl99-fa.json
+fi
+
+if has lead; then  # issue 20's lead: tiny deepseek2 Q4_K, prefill disagrees on CUDA, decode agrees
+  python3 - <<'EOF'
+from ggufcheck.testing.tiny import build_tiny_gguf as b
+b('deepseek2', '/tmp/l20/models/ds2-q4k.gguf', seed=3, qtypes='Q4_K', n_embd=256, n_ff_exp=256, n_ff=512)
+b('deepseek2', '/tmp/l20/models/ds2-q80.gguf', seed=3, qtypes='Q8_0', n_embd=256, n_ff_exp=256, n_ff=512)
+b('glm-dsa', '/tmp/l20/models/dsa-q4k.gguf', seed=3, qtypes='Q4_K', n_embd=256, n_ff_exp=256, n_ff=512)
+EOF
+  D="python3 -m ggufcheck diagnose --no-sanity --no-kernels --sweep-to 0"
+  step 60 lead-ds2-gpu $D $W/models/ds2-q4k.gguf --engine llama-cpp:n_gpu_layers=99 --json $W/lead-ds2-gpu.json
+  step 60 lead-ds2-gpu-cublas32 env GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32 $D $W/models/ds2-q4k.gguf --engine llama-cpp:n_gpu_layers=99 --json $W/lead-ds2-gpu-cublas32.json
+  step 60 lead-ds2-cpu $D $W/models/ds2-q4k.gguf --engine llama-cpp --json $W/lead-ds2-cpu.json
+  step 60 lead-ds2-q80-gpu $D $W/models/ds2-q80.gguf --engine llama-cpp:n_gpu_layers=99 --json $W/lead-ds2-q80-gpu.json
+  step 60 lead-dsa-gpu $D $W/models/dsa-q4k.gguf --engine llama-cpp:n_gpu_layers=99 --json $W/lead-dsa-gpu.json
+fi
+
+if has server; then  # llama-server over HTTP on the same models
+  for m in ds2-q4k ds2-q80; do
+    $B/bin/llama-server -m $W/models/$m.gguf -ngl 99 --host 127.0.0.1 --port 8091 -c 2048 > $W/server-$m.log 2>&1 &
+    SP=$!
+    for i in $(seq 60); do curl -sf 127.0.0.1:8091/health >/dev/null && break; sleep 0.5; done
+    curl -s 127.0.0.1:8091/completion -d '{"prompt":[1,2,3,4,5,6,7,8],"n_predict":4,"n_probs":3,"temperature":0,"return_tokens":true}' > $W/server-$m-raw.json
+    head -c 1500 $W/server-$m-raw.json; echo
+    step 90 http-$m python3 -m ggufcheck compare $W/models/$m.gguf --engine http://127.0.0.1:8091 --no-sanity --sweep-to 0 --decode-to 0 --json $W/http-$m.json
+    kill $SP; wait $SP 2>/dev/null
+  done
+fi
+
+if has hf; then  # issue 20's hf lead: tiny glm-dsa in bf16 on CUDA, and where its time goes
+  python3 -c "from ggufcheck.testing.tiny import build_tiny_gguf as b; b('glm-dsa', '/tmp/l20/models/dsa7.gguf', seed=7, qtypes='Q8_0', n_ff_exp=64)"
+  step 120 hf-dsa7-bf16 python3 -m ggufcheck diagnose $W/models/dsa7.gguf --engine hf:bf16@cuda --device 0 --no-sanity --sweep-to 0 --json $W/hf-dsa7-bf16.json
+fi
+nvidia-smi --query-gpu=memory.used --format=csv,noheader
+tar czf $OUT/results.tgz -C $W --exclude=models . && ls -la $OUT
+echo "=== ALL DONE t=${SECONDS}s"
