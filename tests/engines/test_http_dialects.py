@@ -47,23 +47,33 @@ def _vllm_answer(llama, body: dict) -> dict:
     return {"object": "text_completion", "choices": choices}
 
 
-def _llama_server_answer(llama, body: dict) -> dict:
+def _llama_server_answer(llama, body: dict, partial=frozenset()) -> dict:
+    """As llama-server answers /completion: ``partial`` ids play tokens whose piece ends in an
+    incomplete UTF-8 sequence, which it samples but leaves out of completion_probabilities;
+    ``logit_bias`` [[id, false]] bans ids from sampling, not from the reported (raw) top-k."""
     prompt = list(body["prompt"])
-    steps = []
+    banned = {int(t) for t, allowed in body.get("logit_bias", []) if allowed is False}
+    steps, tokens = [], []
     for _ in range(body.get("n_predict", 1)):
         row = llama.score(prompt).logprobs[-1]
         top = _top(row, body["n_probs"])
-        steps.append({"id": top[0][0], "token": "?", "logprob": top[0][1],
-                      "top_logprobs": [{"id": t, "token": "?", "logprob": v} for t, v in top]})
-        prompt.append(top[0][0])
-    return {"content": "?", "completion_probabilities": steps}
+        pick = next(int(i) for i in np.argsort(-row) if int(i) not in banned)
+        if pick not in partial:
+            steps.append({"id": pick, "token": "?", "logprob": float(row[pick]),
+                          "top_logprobs": [{"id": t, "token": "?", "logprob": v} for t, v in top]})
+        tokens.append(pick)
+        prompt.append(pick)
+    answer = {"content": "?", "completion_probabilities": steps}
+    if body.get("return_tokens"):
+        answer["tokens"] = tokens
+    return answer
 
 
 @pytest.fixture
 def dialect_server(llama_engine):
     servers = []
 
-    def start(kind: str) -> str:
+    def start(kind: str, partial=frozenset()) -> str:
         class Handler(http.server.BaseHTTPRequestHandler):
             def _send(self, doc, code=200):
                 raw = json.dumps(doc).encode()
@@ -88,7 +98,7 @@ def dialect_server(llama_engine):
                 if self.path == "/v1/completions" and kind == "vllm":
                     self._send(_vllm_answer(llama_engine, body))
                 elif self.path == "/completion" and kind == "llama-server":
-                    self._send(_llama_server_answer(llama_engine, body))
+                    self._send(_llama_server_answer(llama_engine, body, partial))
                 elif self.path == "/tokenize":
                     text = body.get("prompt", body.get("content"))
                     self._send({"tokens": llama_engine.tokenize(text)})
@@ -132,3 +142,32 @@ def test_vllm_batch_scores_each_prompt_in_its_own_choice(dialect_server, llama_e
     for seq, table in zip(seqs, batch):
         m = collect([(llama_engine.score(seq), table)])
         assert m.agree.all() and m.kl.max() < 1e-6
+
+
+def test_llama_server_partial_utf8_pieces_are_asked_again_not_reported_unreachable(dialect_server, llama_engine,
+                                                                                   prompts):
+    """A greedy token whose piece is an incomplete UTF-8 sequence comes back from llama-server
+    without probabilities (seen on the CUDA server, issue 20). Teacher-forced rows must still
+    hold the true distribution (asked again with the piece banned), and a generation must
+    leave such a piece's row out rather than shift the next token's row onto it."""
+    tokens = llama_engine.tokenize(prompts[0])[:8]
+    local = llama_engine.score(tokens)
+    greedy = [int(t) for t in local.argmax()]
+    # the greedy choice at three prefixes, and the first generated token, are "partial"
+    partial = frozenset(greedy[2:5] + greedy[-1:])
+    engine = HttpEngine(dialect_server("llama-server", partial), vocab_size=llama_engine.vocab_size,
+                        options=HttpOptions(timeout_s=30, top_k=K))
+    remote = engine.score(tokens)
+    m = collect([(local, remote)])
+    assert m.n == len(tokens) and m.agree.all() and m.kl.max() < 1e-6
+    gen = engine.generate(tokens, 4)
+    decoded = llama_engine.generate(tokens, 4)
+    assert list(gen.generated) == list(decoded.generated)  # every id, partial pieces included
+    rows = np.flatnonzero(gen.steps.present)
+    expected = [len(tokens) - 1 + s for s, t in enumerate(decoded.generated) if int(t) not in partial]
+    assert list(rows) == expected and len(rows) < 4  # the first generated piece has no row
+    for r in rows:  # each reported row is the distribution at that position
+        ref = decoded.steps.logprobs[r] if decoded.steps.logprobs is not None else None
+        if ref is not None:
+            top = int(np.argmax(ref))
+            assert int(gen.steps.topk_ids[r, 0]) == top

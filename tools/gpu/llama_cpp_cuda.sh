@@ -5,13 +5,13 @@
 #
 # Stage first, here: bash tools/gpu/stage_llama_cpp.sh   (fills the git-ignored .gpu/)
 # Device call:       bash tools/gpu/llama_cpp_cuda.sh [STEPS]   with carry [".gpu"]
-#   STEPS: comma-separated subset of build,matrix,lead,server,hf (default: all)
+#   STEPS: comma-separated subset of build,probe,matrix,lead,server,oldlead,hf (default: all)
 # Writes $OUT/log.txt-style logs per step, $OUT/results.tgz, and on a fresh build the
 # build's bin/ as $OUT/bin.tar.xz.part* (< 16 MiB each): move them to .gpu/prebuilt/ and the
 # next call skips the 5-minute build.
 set -u
 export PYTHONUNBUFFERED=1 COLUMNS=150 GGUFCHECK_THREADS=8
-STEPS=",${1:-build,matrix,lead,server,hf},"
+STEPS=",${1:-build,probe,matrix,lead,server,oldlead,hf},"
 DEADLINE=${DEADLINE:-560}
 W=/tmp/l20; mkdir -p $W/models
 has() { [[ "$STEPS" == *",$1,"* ]]; }
@@ -43,6 +43,11 @@ fi
 export LLAMA_CPP_LIB_PATH=$B/bin
 python3 -c "import llama_cpp; print('gpu offload:', llama_cpp.llama_supports_gpu_offload()); print(llama_cpp.llama_print_system_info().decode())"
 
+if has probe; then  # does llama-cpp-python run the CUDA library in process, and next to torch?
+  python3 -c "from ggufcheck.testing.tiny import build_tiny_gguf as b; b('llama', '/tmp/l20/models/llama-q4k.gguf', qtypes='Q4_K', n_embd=256, head_dim=64, n_ff=512)"
+  TAILN=200 step 200 probe python3 tools/gpu/probe_in_process.py /tmp/l20/models/llama-q4k.gguf
+fi
+
 if has matrix; then
   TAILN=30 step 150 quants-ngl99 python3 -m ggufcheck quants --engine llama-cpp:n_gpu_layers=99 --json $W/quants-ngl99.json
   TAILN=30 step 120 quants-ngl99-fa python3 -m ggufcheck quants --engine llama-cpp:n_gpu_layers=99,flash_attn=1 --json $W/quants-ngl99-fa.json
@@ -58,14 +63,14 @@ EOF
   D="python3 -m ggufcheck diagnose --no-sanity --no-kernels --sweep-to 0"
   step 60 lead-ds2-gpu $D $W/models/ds2-q4k.gguf --engine llama-cpp:n_gpu_layers=99 --json $W/lead-ds2-gpu.json
   step 60 lead-ds2-gpu-cublas32 env GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32 $D $W/models/ds2-q4k.gguf --engine llama-cpp:n_gpu_layers=99 --json $W/lead-ds2-gpu-cublas32.json
-  step 60 lead-ds2-cpu $D $W/models/ds2-q4k.gguf --engine llama-cpp --json $W/lead-ds2-cpu.json
+  step 60 lead-ds2-cpu $D $W/models/ds2-q4k.gguf --engine llama-cpp:isolate=1 --json $W/lead-ds2-cpu.json
   step 60 lead-ds2-q80-gpu $D $W/models/ds2-q80.gguf --engine llama-cpp:n_gpu_layers=99 --json $W/lead-ds2-q80-gpu.json
   step 60 lead-dsa-gpu $D $W/models/dsa-q4k.gguf --engine llama-cpp:n_gpu_layers=99 --json $W/lead-dsa-gpu.json
 fi
 
 if has server; then  # llama-server over HTTP on the same models
   for m in ds2-q4k ds2-q80; do
-    $B/bin/llama-server -m $W/models/$m.gguf -ngl 99 --host 127.0.0.1 --port 8091 -c 2048 > $W/server-$m.log 2>&1 &
+    $B/bin/llama-server -m $W/models/$m.gguf -ngl 99 --host 127.0.0.1 --port 8091 -c 2048 -np 1 > $W/server-$m.log 2>&1 &
     SP=$!
     for i in $(seq 60); do curl -sf 127.0.0.1:8091/health >/dev/null && break; sleep 0.5; done
     curl -s 127.0.0.1:8091/completion -d '{"prompt":[1,2,3,4,5,6,7,8],"n_predict":4,"n_probs":3,"temperature":0,"return_tokens":true}' > $W/server-$m-raw.json
@@ -73,6 +78,18 @@ if has server; then  # llama-server over HTTP on the same models
     step 90 http-$m python3 -m ggufcheck compare $W/models/$m.gguf --engine http://127.0.0.1:8091 --no-sanity --sweep-to 0 --decode-to 0 --json $W/http-$m.json
     kill $SP; wait $SP 2>/dev/null
   done
+fi
+
+if has oldlead; then  # the lead's own files (random blocks before the spread fix), carried in .gpu/models:
+  # llama-server with the default cuBLAS compute type, then with f32 forced
+  # as the lead ran it: the server's default slots (-np) and context
+  for m in ds2-q4k-old; do for ct in auto; do
+    GGML_CUDA_CUBLAS_COMPUTE_TYPE=$ct $B/bin/llama-server -m .gpu/models/$m.gguf -ngl 99 --host 127.0.0.1 --port 8092 > $W/server-$m-$ct.log 2>&1 &
+    SP=$!
+    for i in $(seq 60); do curl -sf 127.0.0.1:8092/health >/dev/null && break; sleep 0.5; done
+    step 90 http-$m-$ct-defaults python3 -m ggufcheck compare .gpu/models/$m.gguf --engine http://127.0.0.1:8092 --no-sanity --sweep-to 0 --decode-to 0 --json $W/http-$m-$ct-defaults.json
+    kill $SP; wait $SP 2>/dev/null
+  done; done
 fi
 
 if has hf; then  # issue 20's hf lead: tiny glm-dsa in bf16 on CUDA, and where its time goes

@@ -17,7 +17,7 @@ fi
 SRC="$SD/llama_cpp_python-$V/vendor/llama.cpp"
 rm -rf .gpu/llama.cpp && mkdir -p .gpu/llama.cpp
 tar -C "$SRC" --exclude=./models --exclude=./docs --exclude=./benches --exclude=./tests \
-    --exclude=./examples --exclude=./media --exclude=./.git --exclude=./gguf-py --exclude=./scripts --exclude=./conversion --exclude=./tools/ui/tests --exclude=./vendor/miniaudio/miniaudio.h.bak \
+    --exclude=./examples --exclude=./media --exclude=./.git --exclude=./gguf-py --exclude=./conversion --exclude=./tools/ui/tests --exclude=./vendor/miniaudio/miniaudio.h.bak \
     --exclude='./ggml/src/ggml-'{cann,et,hexagon,hip,metal,musa,opencl,openvino,sycl,virtgpu,vulkan,webgpu,zdnn,zendnn} \
     -cf - . | tar -C .gpu/llama.cpp -xf -
 # the root CMakeLists adds tests/examples only when asked (both OFF in the build)

@@ -417,14 +417,59 @@ class HttpEngine(Engine):
                 ids[t, j], vals[t, j] = tid, value
         return TokenLogprobs(tokens, self.vocab_size, topk_ids=ids, topk_logprobs=vals)
 
-    def _llama_server_step(self, prefix: list[int], k: int, n_predict: int = 1) -> list:
-        answer = self.client.post("/completion", {"prompt": prefix, "n_predict": n_predict, "n_probs": k,
+    def _llama_server_step(self, prefix: list[int], k: int) -> list[tuple[int, float]]:
+        """The top-k of the distribution after ``prefix`` ([(id, logprob)]), from one token.
+
+        llama-server leaves a sampled token out of ``completion_probabilities`` while the text
+        generated so far ends in an incomplete UTF-8 sequence (a byte token of a multi-byte
+        character, common with CJK and emoji), so one greedy step can come back without
+        probabilities. The probabilities it reports are the raw logits' (before samplers and
+        logit bias), so the step is asked again with the partial token banned through
+        ``logit_bias``: the same distribution, reported once a complete token is sampled.
+        """
+        banned: list[int] = []
+        for _ in range(PARTIAL_PIECE_RETRIES + 1):
+            body = {"prompt": prefix, "n_predict": 1, "n_probs": k, "temperature": 0.0, "cache_prompt": True,
+                    "samplers": ["top_k"], "top_k": 1, "return_tokens": True}
+            if banned:
+                body["logit_bias"] = [[t, False] for t in banned]
+            answer = self.client.post("/completion", body)
+            steps = answer.get("completion_probabilities") if isinstance(answer, dict) else None
+            if steps:
+                return _llama_server_probs(steps[0])
+            sampled = answer.get("tokens") if isinstance(answer, dict) else None
+            if not sampled:  # neither probabilities nor the sampled id: not this dialect
+                _field(answer, "completion_probabilities", 0)
+            banned.append(int(sampled[0]))
+        raise Unsupported(f"llama-server kept sampling partial UTF-8 pieces after {prefix[-3:]}... "
+                          f"(banned {banned}) and reported no probabilities for them")
+
+    def _llama_server_generate(self, prompt: list[int], k: int, n_predict: int) -> tuple[list[int], dict[int, list]]:
+        """Greedy ids and, per generated index, its top-k. With ``return_tokens`` the answer
+        lists every generated id; ``completion_probabilities`` skips the partial UTF-8 pieces
+        (see _llama_server_step), so its entries are matched to the ids in order and a piece
+        without an entry has no row (not judged) rather than another token's row."""
+        answer = self.client.post("/completion", {"prompt": prompt, "n_predict": n_predict, "n_probs": k,
                                                   "temperature": 0.0, "cache_prompt": True, "samplers": ["top_k"],
-                                                  "top_k": 1})
-        steps = _field(answer, "completion_probabilities")
-        if n_predict == 1:
-            return _llama_server_probs(_field(steps, 0))
-        return steps
+                                                  "top_k": 1, "return_tokens": True, "ignore_eos": True})
+        steps = answer.get("completion_probabilities") if isinstance(answer, dict) else None
+        tokens = answer.get("tokens") if isinstance(answer, dict) else None
+        if not tokens:  # a server without return_tokens: every entry is one generated token
+            steps = _field(answer, "completion_probabilities")
+            return [int(_field(step, "id")) for step in steps], {s: _llama_server_probs(st) for s, st in enumerate(steps)}
+        generated = [int(t) for t in tokens]
+        rows: dict[int, list] = {}
+        at = 0
+        for step in steps or []:
+            tid = int(_field(step, "id"))
+            while at < len(generated) and generated[at] != tid:
+                at += 1  # a partial piece: no probabilities reported for it
+            if at == len(generated):
+                raise EngineUnreachable(f"llama-server reported probabilities for token {tid}, which is not among "
+                                        f"the generated ids {generated}")
+            rows[at] = _llama_server_probs(step)
+            at += 1
+        return generated, rows
 
     # ---- generation ------------------------------------------------------------------------
     def generate(self, prompt: Sequence[int], max_new_tokens: int, *, top_k: int | None = None) -> Generation:
@@ -438,11 +483,12 @@ class HttpEngine(Engine):
         ids = np.full((n, k + 1), -1, dtype=np.int64)
         vals = np.full((n, k + 1), -np.inf)
         generated: list[int] = []
+        reported: set[int] | None = None  # generated indices with probabilities (None: all)
         if self.kind == "llama-server":
-            steps = self._llama_server_step(prompt, k, n_predict=max_new_tokens)
-            for s, step in enumerate(steps):
-                generated.append(int(_field(step, "id")))
-                for j, (tid, value) in enumerate(_llama_server_probs(step)[:k]):
+            generated, rows = self._llama_server_generate(prompt, k, max_new_tokens)
+            reported = set(rows)
+            for s, probs in rows.items():
+                for j, (tid, value) in enumerate(probs[:k]):
                     ids[len(prompt) - 1 + s, j], vals[len(prompt) - 1 + s, j] = tid, value
         else:
             body: dict[str, Any] = {"max_tokens": max_new_tokens, "temperature": 0.0, "logprobs": k, "seed": 0}
@@ -472,6 +518,9 @@ class HttpEngine(Engine):
         seq = prompt + generated
         present = np.zeros(len(seq), dtype=bool)
         present[len(prompt) - 1:len(prompt) - 1 + m] = True
+        if reported is not None:
+            for s in set(range(m)) - reported:
+                present[len(prompt) - 1 + s] = False
         steps = TokenLogprobs(seq, self.vocab_size, topk_ids=ids[: len(seq)], topk_logprobs=vals[: len(seq)],
                               present=present)
         return Generation(np.array(prompt), np.array(generated, dtype=np.int64), steps)
@@ -492,6 +541,10 @@ class HttpEngine(Engine):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "server": self.client.base_url, "dialect": self.kind, "model": self.model_id}
+
+
+# how many partial UTF-8 pieces one llama-server step may ban before giving up
+PARTIAL_PIECE_RETRIES = 8
 
 
 def _vllm_token_id(key: str) -> int | None:

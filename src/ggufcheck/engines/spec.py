@@ -9,7 +9,9 @@
     llama-cpp[:key=value,...]    llama.cpp in process (n_ctx=, n_threads=, n_batch=, seed=,
                                  type_k=/type_v= KV-cache ggml types: 0 F32, 1 F16 default,
                                  8 Q8_0; flash_attn=0|1; n_gpu_layers=N offloads N layers
-                                 (99: all) to a GPU build named by LLAMA_CPP_LIB_PATH)
+                                 (99: all) to a GPU build named by LLAMA_CPP_LIB_PATH, in a
+                                 process of its own (isolate=1; CUDA llama.cpp and torch
+                                 crash in one process)
     vllm[:tp=N,dtype=fp32|bf16|fp16,max_model_len=N,kv_cache_gib=N]
                                  the real vLLM (GGUF plug-in) in its own interpreter
                                  (python=; --python PATH), every TP rank reachable
@@ -65,12 +67,19 @@ def open_engine(spec: str, model_path: str | Path | None, **kwargs) -> Engine:
 
         # type_k/v: ggml type of the KV cache (0 F32, 1 F16 default, 8 Q8_0); flash_attn: 0/1
         allowed = {"n_ctx", "n_threads", "n_batch", "seed", "type_k", "type_v", "flash_attn", "n_gpu_layers",
-                   "main_gpu"}
+                   "main_gpu", "isolate"}
         opts = _options(rest, spec)
         unknown = set(opts) - allowed
         if unknown:
             raise UsageError(f"--engine {spec}: unknown option(s) {', '.join(sorted(unknown))}",
                              tip=f"known: {', '.join(sorted(allowed))}")
+        # a GPU build of llama.cpp cannot share a process with torch (engines.isolated):
+        # offloading runs it in a process of its own; isolate=0|1 overrides
+        isolate = opts.pop("isolate", 1 if opts.get("n_gpu_layers") else 0)
+        if isolate:
+            from ggufcheck.engines.isolated import IsolatedEngine
+
+            return IsolatedEngine("ggufcheck.engines.llama_cpp:LlamaCppEngine", model_path, **{**kwargs, **opts})
         return LlamaCppEngine(model_path, **{**kwargs, **opts})
     if head == "vllm":
         from ggufcheck.engines.vllm import VllmEngine, parse_options
