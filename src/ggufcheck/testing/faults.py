@@ -577,3 +577,50 @@ def fault_layer(name: str, model_path: str | Path, layer: int | None = None) -> 
     with open_gguf(model_path) as g:
         cfg = config_from_gguf(g.metadata, g.tensors, str(g.path))
     return FAULTS[name].layer_for(cfg, layer)
+
+
+# ------------------------------------------------------------ engines for harness self-tests
+def wrong_kernel_engine(model_path: str | Path, qtype: str = "Q4_K", dtype: str = "fp32") -> Engine:
+    """The reference, except that every matrix stored as ``qtype`` multiplies with the second
+    half of each 256-value block negated: a kernel that is wrong for one quant type only, the
+    fault the kernel matrix (``ggufcheck quants``) exists to find. Other types are untouched."""
+    from ggufcheck.gguf.reader import open_gguf
+
+    with open_gguf(model_path) as g:
+        targets = {n for n, t in g.tensors.items() if t.qtype.name == qtype and len(t.ne) >= 2 and t.ne[0] % 256 == 0}
+
+    def hook(name: str, t: Tensor) -> Tensor:
+        if name not in targets:
+            return t
+        t = t.clone()
+        blocks = t.reshape(-1, 256)
+        blocks[:, 128:] = -blocks[:, 128:]
+        return blocks.reshape(t.shape)
+
+    fault = Fault("quant-kernel-wrong", "dequant", f"{qtype} matmuls with half of each block negated",
+                  frozenset(), "logits", build=lambda *a, **k: ModelPatch())
+    engine = FaultyReferenceEngine(model_path, fault, ModelPatch(tensor_hook=hook), dtype=dtype)
+    engine.name = f"reference {dtype} with a wrong {qtype} kernel ({Path(model_path).name})"
+    return engine
+
+
+def q4_k_kernel_wrong(model_path: str | Path) -> Engine:
+    """``--engine python:ggufcheck.testing.faults:q4_k_kernel_wrong``: see wrong_kernel_engine."""
+    return wrong_kernel_engine(model_path, "Q4_K")
+
+
+def crashing_engine(model_path: str | Path) -> Engine:
+    """The fp32 reference that prints to fd 1 when scoring and dies of SIGSEGV when asked to
+    generate, as a native library can: for the isolated-engine tests (engines.isolated)."""
+    import os
+    import signal
+
+    class Crashing(ReferenceEngine):
+        def score(self, tokens, *, top_k=20):
+            os.write(1, b"native noise on stdout\n")
+            return super().score(tokens, top_k=top_k)
+
+        def generate(self, prompt, max_new_tokens, *, top_k=20):
+            os.kill(os.getpid(), signal.SIGSEGV)
+
+    return Crashing(model_path, dtype="fp32")
