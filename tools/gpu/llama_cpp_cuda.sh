@@ -48,6 +48,16 @@ if has probe; then  # does llama-cpp-python run the CUDA library in process, and
   TAILN=200 step 200 probe python3 tools/gpu/probe_in_process.py /tmp/l20/models/llama-q4k.gguf
 fi
 
+if has probechild; then  # without torch: which of ggufcheck's settings crash the CUDA library?
+  python3 -c "from ggufcheck.testing.tiny import build_tiny_gguf as b; b('llama', '/tmp/l20/models/llama-q4k.gguf', qtypes='Q4_K', n_embd=256, head_dim=64, n_ff=512)"
+  TAILN=60 step 90 probechild python3 tools/gpu/probe_child.py /tmp/l20/models/llama-q4k.gguf
+fi
+
+if has matrix2; then  # the matrix quiet, then with llama.cpp's log on
+  TAILN=30 step 100 quants-ngl99 python3 -m ggufcheck quants --engine llama-cpp:n_gpu_layers=99 --json $W/quants-ngl99.json
+  TAILN=30 step 100 quants-ngl99-verbose python3 -m ggufcheck quants --engine llama-cpp:n_gpu_layers=99,verbose=1 --json $W/quants-ngl99-verbose.json
+fi
+
 if has matrix; then
   TAILN=30 step 150 quants-ngl99 python3 -m ggufcheck quants --engine llama-cpp:n_gpu_layers=99 --json $W/quants-ngl99.json
   TAILN=30 step 120 quants-ngl99-fa python3 -m ggufcheck quants --engine llama-cpp:n_gpu_layers=99,flash_attn=1 --json $W/quants-ngl99-fa.json

@@ -134,7 +134,7 @@ def run_row(qtype: str, options: MatrixOptions, folder: Path, say: Progress) -> 
     from ggufcheck.checks.compare import run as run_served
     from ggufcheck.diagnose.session import DiagnoseOptions, Session
     from ggufcheck.engines.base import Unsupported
-    from ggufcheck.errors import GGUFCheckError, Unavailable
+    from ggufcheck.errors import EngineUnreachable, GGUFCheckError, Unavailable
 
     path = build_model(qtype, folder, options.seed)
     session = Session(DiagnoseOptions(
@@ -142,9 +142,14 @@ def run_row(qtype: str, options: MatrixOptions, folder: Path, say: Progress) -> 
         new_tokens=options.new_tokens, decode_to=0, sweep_to=options.sweep_to, sanity=False), say)
     try:
         stages = run_served(session)
+    except Unsupported as err:  # the engine declines the type: not a wrong kernel
+        return MatrixRow(qtype, Status.SKIP, message=f"the engine cannot run {qtype}: {err}")
     except Unavailable:
         raise  # the engine itself is missing: no row can run
-    except (Unsupported, GGUFCheckError) as err:
+    except EngineUnreachable as err:  # it crashed or stopped answering on this type: a finding
+        return MatrixRow(qtype, Status.ERROR, failed_paths=["engine"],
+                         message=f"the engine failed on {qtype}: {err}")
+    except GGUFCheckError as err:  # it refused the file (llama.cpp: unknown type, bad shape)
         return MatrixRow(qtype, Status.SKIP, message=f"the engine cannot run {qtype}: {err}")
     finally:
         session.close()

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"{status_text(row.status)} {row.qtype:8s} prefill KL {_fmt(row.prefill_kl)} "
                       f"(limit {_fmt(row.prefill_limit)}), decode KL {_fmt(row.decode_kl)}"
                       + (f"  failed: {', '.join(row.failed_paths)}" if row.failed_paths else "")
-                      + ("" if row.status != Status.SKIP else f"  {row.message}"))
+                      + ("" if row.status not in (Status.SKIP, Status.ERROR) else f"  {row.message}"))
         if args.verbose:
             for stage in row.stages:
                 render_stage(console, stage)
@@ -93,16 +93,16 @@ def run(args: argparse.Namespace) -> int:
     for row in rows:
         table.add_row(row.qtype, status_text(row.status), _fmt(row.prefill_kl), _fmt(row.prefill_limit),
                       _fmt(row.argmax, ".4f"), _fmt(row.decode_kl), _fmt(row.prefill_vs_decode_kl),
-                      ", ".join(row.failed_paths) or ("" if row.status != Status.SKIP else row.message))
+                      ", ".join(row.failed_paths) if row.status != Status.ERROR else row.message[:80])
     console.print(table)
     elapsed = time.perf_counter() - started
     counts = {s: sum(r.status == s for r in rows) for s in Status}
-    console.print(f"PASS {counts[Status.PASS]}  FAIL {counts[Status.FAIL]}  SKIP {counts[Status.SKIP]}  "
-                  f"({elapsed:.0f} s)")
+    console.print(f"PASS {counts[Status.PASS]}  FAIL {counts[Status.FAIL]}  ERROR {counts[Status.ERROR]}  "
+                  f"SKIP {counts[Status.SKIP]}  ({elapsed:.0f} s)")
     if args.json:
         stage = StageReport("quant_matrix", [row.result() for row in rows],
                             info={"engine": args.engine, "seed": args.seed})
         per_type = {row.qtype: [s.to_json() for s in row.stages] for row in rows}
         write_json(args.json, report_json("quants", [stage], engine=args.engine, elapsed_s=elapsed,
                                           checks_per_type=per_type))
-    return int(ExitStatus.FINDINGS if counts[Status.FAIL] else ExitStatus.HEALTHY)
+    return int(ExitStatus.FINDINGS if counts[Status.FAIL] or counts[Status.ERROR] else ExitStatus.HEALTHY)

@@ -143,7 +143,7 @@ class LlamaCppEngine(Engine):
     """llama.cpp in process. ``n_ctx`` bounds the longest sequence scored."""
 
     def __init__(self, model_path: str | Path, *, n_ctx: int = 2048, n_threads: int | None = None,
-                 n_batch: int = 512, seed: int = 0, n_gpu_layers: int = 0, **kwargs: Any):
+                 n_batch: int = 512, seed: int = 0, n_gpu_layers: int = 0, verbose: int = 0, **kwargs: Any):
         try:
             import llama_cpp
         except (ImportError, OSError, RuntimeError) as err:  # not installed, or its library will not load
@@ -166,7 +166,7 @@ class LlamaCppEngine(Engine):
         try:
             self._llm = llama_cpp.Llama(
                 model_path=self.model_path, n_ctx=n_ctx, n_batch=n_batch, n_threads=threads,
-                n_threads_batch=threads, logits_all=True, seed=seed, verbose=False,
+                n_threads_batch=threads, logits_all=True, seed=seed, verbose=bool(verbose),
                 n_gpu_layers=n_gpu_layers, **kwargs,
             )
         except ValueError as err:  # llama.cpp refused the model or the context settings

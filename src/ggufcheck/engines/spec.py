@@ -11,7 +11,7 @@
                                  8 Q8_0; flash_attn=0|1; n_gpu_layers=N offloads N layers
                                  (99: all) to a GPU build named by LLAMA_CPP_LIB_PATH, in a
                                  process of its own (isolate=1; CUDA llama.cpp and torch
-                                 crash in one process)
+                                 crash in one process); verbose=1: llama.cpp's own log)
     vllm[:tp=N,dtype=fp32|bf16|fp16,max_model_len=N,kv_cache_gib=N]
                                  the real vLLM (GGUF plug-in) in its own interpreter
                                  (python=; --python PATH), every TP rank reachable
@@ -67,7 +67,7 @@ def open_engine(spec: str, model_path: str | Path | None, **kwargs) -> Engine:
 
         # type_k/v: ggml type of the KV cache (0 F32, 1 F16 default, 8 Q8_0); flash_attn: 0/1
         allowed = {"n_ctx", "n_threads", "n_batch", "seed", "type_k", "type_v", "flash_attn", "n_gpu_layers",
-                   "main_gpu", "isolate"}
+                   "main_gpu", "isolate", "verbose"}
         opts = _options(rest, spec)
         unknown = set(opts) - allowed
         if unknown:
