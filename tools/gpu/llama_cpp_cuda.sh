@@ -55,7 +55,7 @@ fi
 
 if has matrix2; then  # the matrix quiet, then with llama.cpp's log on
   TAILN=30 step 100 quants-ngl99 python3 -m ggufcheck quants --engine llama-cpp:n_gpu_layers=99 --json $W/quants-ngl99.json
-  TAILN=30 step 100 quants-ngl99-verbose python3 -m ggufcheck quants --engine llama-cpp:n_gpu_layers=99,verbose=1 --json $W/quants-ngl99-verbose.json
+  TAILN=30 step 100 quants-ngl99-fa python3 -m ggufcheck quants --engine llama-cpp:n_gpu_layers=99,flash_attn=1 --json $W/quants-ngl99-fa.json
 fi
 
 if has matrix; then

@@ -10,6 +10,10 @@ import subprocess
 import sys
 
 VARIANTS = {
+    "numpy-first": "import numpy; import llama_cpp; llama_cpp.Llama(model_path=M, n_ctx=2048, n_gpu_layers=99, "
+                   "logits_all=True, verbose=False)",
+    "llama-first-engine": "import llama_cpp; from ggufcheck.engines.llama_cpp import LlamaCppEngine as E; "
+                          "E(M, n_gpu_layers=99).score([1, 2, 3])",
     "llama-quiet": "import llama_cpp; llama_cpp.Llama(model_path=M, n_ctx=2048, n_batch=512, n_threads=8, "
                    "n_threads_batch=8, logits_all=True, seed=0, verbose=False, n_gpu_layers=99)",
     "llama-verbose": "import llama_cpp; llama_cpp.Llama(model_path=M, n_ctx=2048, n_batch=512, n_threads=8, "

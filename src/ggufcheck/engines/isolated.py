@@ -71,11 +71,17 @@ def _error_of(kind: str, message: str, tip: str | None) -> Exception:
 class IsolatedEngine(Engine):
     """``factory`` ("module:Class") built with ``(model_path, **kwargs)`` in a child process."""
 
-    def __init__(self, factory: str, model_path: str | Path, *, python: str | None = None, **kwargs: Any):
+    def __init__(self, factory: str, model_path: str | Path, *, python: str | None = None,
+                 preload: Sequence[str] = (), **kwargs: Any):
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         src = str(Path(__file__).resolve().parents[2])  # the child imports this same ggufcheck
         env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-        self._proc = subprocess.Popen([python or sys.executable, "-m", "ggufcheck.engines.isolated"],
+        # ``preload``: modules imported before anything else, numpy included (the order native
+        # libraries are loaded in matters: measured, CUDA libllama segfaults at model load when
+        # numpy came first, docs/real-world-cases.md)
+        boot = (f"import importlib\nfor m in {list(preload)!r}: importlib.import_module(m)\n"
+                "from ggufcheck.engines.isolated import _serve\n_serve()")
+        self._proc = subprocess.Popen([python or sys.executable, "-c", boot],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         atexit.register(self.close)
         info = self._call("__init__", factory, str(model_path), kwargs)

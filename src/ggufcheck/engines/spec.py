@@ -79,7 +79,8 @@ def open_engine(spec: str, model_path: str | Path | None, **kwargs) -> Engine:
         if isolate:
             from ggufcheck.engines.isolated import IsolatedEngine
 
-            return IsolatedEngine("ggufcheck.engines.llama_cpp:LlamaCppEngine", model_path, **{**kwargs, **opts})
+            return IsolatedEngine("ggufcheck.engines.llama_cpp:LlamaCppEngine", model_path, preload=("llama_cpp",),
+                                  **{**kwargs, **opts})
         return LlamaCppEngine(model_path, **{**kwargs, **opts})
     if head == "vllm":
         from ggufcheck.engines.vllm import VllmEngine, parse_options
