@@ -203,3 +203,34 @@ def test_an_engine_that_ignores_its_input_is_named_as_such(setup):
     assert (verdict.check, verdict.component) == ("logits.input_ignored", "embedding"), verdict.message
     assert "the input is ignored" in verdict.message
     assert not [r for st in healthy for r in st.results if r.check == "logits.input_ignored"]
+
+
+def test_a_model_whose_every_position_follows_a_tie_is_still_judged(tiny_gguf):
+    """A tiny glm-dsa (MoE + DSA indexer) on llama.cpp: every position follows a routing or
+    indexer near-tie of the reference within the q8 class's margin, so leaving those rows out
+    left the logits stage nothing to judge (it skipped, and the verdict said healthy; seen on
+    CPU and on the H200). Now every position is judged against the baseline run on the same
+    positions, and a real fault there still fails."""
+    from ggufcheck.checks.compare import CompareOptions, run_compare
+    from ggufcheck.engines.faults import ShuffledLogits
+    from ggufcheck.engines.llama_cpp import LlamaCppEngine
+    from ggufcheck.engines.reference import ReferenceEngine
+
+    model = tiny_gguf("glm-dsa", seed=3, qtypes="Q4_K", n_embd=256, n_ff_exp=256, n_ff=512).path
+    reference = ReferenceEngine(model, dtype="fp64")
+    baseline = ReferenceEngine(model, dtype="fp32")
+    engine = LlamaCppEngine(model, n_ctx=256, n_threads=2)
+    try:
+        seqs = [list(range(1, 90)), [5, 9, 17, 33, 65, 129] * 10]
+        for eng, healthy in ((engine, True), (ShuffledLogits(engine), False)):
+            stages = run_compare(eng, seqs, reference=reference, baseline_engine=baseline,
+                                 options=CompareOptions(sweep_to=0, long_decode_to=0))
+            logits = {r.check: r for s in stages if s.stage == "logits" for r in s.results}
+            kl = logits["logits.kl_mean"]  # judged, not skipped
+            assert kl.status is (Status.PASS if healthy else Status.FAIL), kl.message
+            if healthy:
+                assert "every position is judged" in kl.message
+    finally:
+        engine.close()
+        reference.close()
+        baseline.close()

@@ -161,3 +161,40 @@ def test_a_prefill_fault_past_the_prompts_is_found_on_the_long_sequence_and_its_
     kl = next(r for r in logits.results if r.check == "logits.kl_mean")
     assert kl.failed and kl.stats["first_divergence"]["position"] == 128, kl.message
     assert "cache block / page boundary (128 tokens)" in kl.message
+
+
+def test_one_position_just_past_the_max_limit_passes_a_gross_one_or_an_onset_fails():
+    """The rule behind a false alarm measured on the H200 (Q2_K, chunks of 5 vs one prefill:
+    max KL 0.154 against 0.151 at one position, mean 0.0007): an isolated position slightly over
+    a percentile-derived limit passes, while a grossly wrong position or a divergence that
+    starts and stays fails."""
+    from ggufcheck.checks.logits import Baseline
+    from ggufcheck.checks.paths import GROSS_FACTOR, _judge_pairs
+    from ggufcheck.checks.logits import LogitTolerance
+
+    rng = np.random.default_rng(0)
+    base = log_softmax(rng.normal(0, 3, (200, 64))).astype(np.float64)
+    tol = LogitTolerance()
+    baseline = Baseline(source="test", kl_mean=0.005, kl_p99=0.05, argmax_agreement=0.97, nmse_mean=0.01,
+                        delta_p_rms=0.03)
+    max_limit = tol.multiple * baseline.kl_p99 + tol.kl_p99_floor
+
+    def pair(bumps: dict[int, float]):
+        other = base.copy()
+        for row, target in bumps.items():  # flatten a row (argmax kept) until its KL reaches ``target``
+            for t in np.linspace(0.001, 0.999, 2000):
+                flat = log_softmax(base[row] * (1 - t))
+                if float(np.sum(np.exp(base[row]) * (base[row] - flat))) >= target:
+                    break
+            other[row] = flat
+        tokens = [i % 64 for i in range(200)]
+        a = TokenLogprobs(tokens, 64, base.astype(np.float32))
+        b = TokenLogprobs(tokens, 64, other.astype(np.float32))
+        return _judge_pairs("paths.x", "prefill", "x", [(a, b)], baseline, tol, None)
+
+    slight = pair({120: max_limit * 1.05})
+    assert slight.status is Status.PASS and "starts no divergence" in slight.message
+    gross = pair({120: max_limit * GROSS_FACTOR * 1.5})
+    assert gross.status is Status.FAIL
+    onset = pair({r: max_limit * 1.05 for r in range(186, 200)})  # the mean stays under its limit
+    assert onset.status is Status.FAIL and "first_divergence" in onset.stats

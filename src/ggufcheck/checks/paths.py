@@ -114,7 +114,14 @@ def _judge_pairs(check: str, component: str, what: str, pairs: Sequence[tuple[To
     low, high = wilson_interval(agree, m.n)
     need = baseline.argmax_agreement - tol.argmax_floor
     max_limit = max(limit99, limit)
-    ok = kl["mean"] <= limit and kl["max"] <= max_limit and high >= need
+    # a position over the percentile limit fails the pair when a divergence starts there
+    # (most positions after it are over too) or when it is grossly wrong; one position just
+    # past a limit derived from a 99th percentile is what the largest of a few hundred
+    # healthy positions does, all the more when both paths round (measured on the H200: Q2_K
+    # chunks of 5 vs one prefill, max 0.154 against 0.151, mean 0.0007)
+    onset = first_divergence(m, max_limit, landmarks, who="the first path's") if kl["max"] > max_limit else None
+    max_ok = kl["max"] <= max_limit or (onset is None and kl["max"] <= GROSS_FACTOR * max_limit)
+    ok = kl["mean"] <= limit and max_ok and high >= need
     worst_i = int(np.argmax(m.kl))
     stats = {"kl": kl, "kl_limit": limit, "kl_max_limit": max_limit,
              "argmax_agreement": agree / m.n, "exact_argmax_agreement": exact / m.n, "ci95": [low, high], "required_upper_bound": need,
@@ -126,12 +133,19 @@ def _judge_pairs(check: str, component: str, what: str, pairs: Sequence[tuple[To
     if m.ambiguous:
         msg += f" ({m.ambiguous} after an indexer top-k or MoE routing tie of the reference left out)"
         stats["ambiguous_positions"] = m.ambiguous
+    if kl["max"] > max_limit and max_ok:
+        msg += (f"; the largest, at sequence {worst['sequence']} position {worst['position']}, starts no "
+                f"divergence and is under {GROSS_FACTOR:g}x the limit")
     if not ok:
-        first = first_divergence(m, max_limit, landmarks, who="the first path's")
+        first = onset or first_divergence(m, max_limit, landmarks, who="the first path's")
         if first is not None:
             stats["first_divergence"] = first
             msg += "; " + first["text"]
     return (passed if ok else failed)(check, component, msg, stats=stats, worst=worst)
+
+
+# a single position this many times over the path pair's max limit fails it on its own
+GROSS_FACTOR = 10.0
 
 
 def landmarks(options) -> dict[str, int]:

@@ -61,7 +61,7 @@ def _types(text: str) -> tuple[str, ...]:
     return names
 
 
-def _fmt(value: float | None, spec: str = ".3g") -> str:
+def _fmt(value: float | None, spec: str = ".2g") -> str:
     return "-" if value is None else format(value, spec)
 
 
@@ -87,12 +87,12 @@ def run(args: argparse.Namespace) -> int:
 
     rows = run_matrix(options, say=lambda m: console.print(f"[dim]{m}[/dim]"), on_row=show)
     table = Table(title=f"kernel matrix: {args.engine} vs the fp64 reference", title_justify="left")
-    for column in ("type", "status", "prefill KL", "limit", "argmax", "decode KL", "prefill vs decode",
-                   "failed path"):
-        table.add_column(column, no_wrap=column != "failed path")
+    for column in ("type", "status", "prefill KL", "limit", "argmax", "decode KL", "prefill vs decode KL",
+                   "failed path"):  # the type column never shrinks: it is what the row is about
+        table.add_column(column, no_wrap=column in ("type", "status"), min_width=7 if column == "type" else None)
     for row in rows:
         table.add_row(row.qtype, status_text(row.status), _fmt(row.prefill_kl), _fmt(row.prefill_limit),
-                      _fmt(row.argmax, ".4f"), _fmt(row.decode_kl), _fmt(row.prefill_vs_decode_kl),
+                      _fmt(row.argmax, ".3f"), _fmt(row.decode_kl), _fmt(row.prefill_vs_decode_kl),
                       ", ".join(row.failed_paths) if row.status != Status.ERROR else row.message[:80])
     console.print(table)
     elapsed = time.perf_counter() - started
