@@ -8,7 +8,9 @@ import ast
 from pathlib import Path
 
 SRC = Path(__file__).parents[1] / "src" / "ggufcheck"
-ALLOWED = {SRC / "cli" / "demo.py"}
+# the demo and the kernel matrix build their own tiny models: the builder is their input, not
+# their oracle (the matrix judges every model against the reference)
+ALLOWED = {SRC / "cli" / "demo.py", SRC / "checks" / "quant_matrix.py"}
 
 
 def _imports(path: Path) -> set[str]:

@@ -234,3 +234,14 @@ def test_a_model_whose_every_position_follows_a_tie_is_still_judged(tiny_gguf):
         engine.close()
         reference.close()
         baseline.close()
+
+
+def test_compare_writes_the_html_report_with_its_kl_plot(setup):
+    model, root = setup
+    page = root / "compare.html"
+    code = compare.run(_args(str(model), "--engine", "python:my_engines:shuffled", "--prompts",
+                             str(root / "prompts.txt"), "--no-sanity", "--new-tokens", "3", "--no-paths",
+                             "--sweep-to", "0", "--html", str(page)))
+    html = page.read_text()
+    assert code == ExitStatus.FINDINGS
+    assert "ggufcheck compare" in html and "<svg" in html and "logits.kl_mean" in html

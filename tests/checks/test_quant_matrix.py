@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 from ggufcheck.checks.quant_matrix import CUDA_TYPES, MATRIX_DIMS, build_model

@@ -35,6 +35,8 @@ Progress = Callable[[str], None]
 CUDA_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
               "Q5_K", "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ4_NL",
               "IQ4_XS")
+# every type the tiny builder writes (floats, gguf-py's quantizers, random valid blocks)
+BUILDABLE_TYPES = CUDA_TYPES + ("TQ1_0", "TQ2_0")
 # a quick subset: one of each kernel family (float, legacy 32-blocks, K-quants, IQ grids)
 QUICK_TYPES = ("F16", "Q4_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_XS")
 # the tiny model: every matrix's row length a multiple of 256 (n_embd, n_head*head_dim, n_ff)

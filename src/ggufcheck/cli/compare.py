@@ -38,6 +38,7 @@ class CompareCliOptions:
     verbose: bool
     decode_to: int = 272
     sweep_to: int = 520
+    html: Path | None = None
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -57,6 +58,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "(default auto: reference:fp32; 'none': stated allowances only)")
     p.add_argument("--prompts", type=Path, help="prompt file: one per line, or JSONL with \"text\"")
     p.add_argument("--json", type=Path, help="write every result to this JSON file")
+    p.add_argument("--html", type=Path, help="write a self-contained HTML report with the KL plots")
     p.add_argument("--max-prompts", type=int, help="use only the first N prompts")
     p.add_argument("--max-tokens", type=int, default=512, help="truncate each prompt to N tokens (default 512)")
     p.add_argument("--new-tokens", type=int, default=8, help="greedy decode steps per path check (default 8)")
@@ -88,7 +90,8 @@ def _options(args: argparse.Namespace) -> CompareCliOptions:
         raise UsageError(f"{args.model}: no such file")
     return CompareCliOptions(args.model, args.engine, args.reference, args.baseline, args.prompts, args.json,
                              args.max_prompts, args.max_tokens, args.new_tokens, args.top_k, args.timeout,
-                             args.paths, args.sanity, args.verbose, args.decode_to, args.sweep_to)
+                             args.paths, args.sanity, args.verbose, args.decode_to, args.sweep_to,
+                             getattr(args, "html", None))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -121,5 +124,12 @@ def run(args: argparse.Namespace) -> int:
     if options.json:
         write_json(options.json, report_json("compare", stages, model=str(options.model), engine=options.engine,
                                              tokenizer=tokenizer_used, prompts=prompts, elapsed_s=elapsed))
+    if options.html:
+        from ggufcheck.report.html import render_html, write_html
+
+        summary = {"model": str(options.model), "engine": options.engine, "tokenizer": tokenizer_used,
+                   "prompts": prompts, "elapsed (s)": f"{elapsed:.1f}"}
+        write_html(options.html, render_html(f"ggufcheck compare {options.model.name}", stages, None, summary))
+        console.print(f"HTML report: {options.html}")
     failed = any(s.failures for s in stages)
     return int(ExitStatus.FINDINGS if failed else ExitStatus.HEALTHY)

@@ -45,14 +45,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _types(text: str) -> tuple[str, ...]:
-    from ggufcheck.checks.quant_matrix import CUDA_TYPES, QUICK_TYPES
-    from ggufcheck.testing.qblocks import F16_SCALE_OFFSETS, FLOAT_TYPES
+    from ggufcheck.checks.quant_matrix import BUILDABLE_TYPES, CUDA_TYPES, QUICK_TYPES
 
     if text == "all":
         return CUDA_TYPES
     if text == "quick":
         return QUICK_TYPES
-    known = {t.name for t in (*F16_SCALE_OFFSETS, *FLOAT_TYPES)}
+    known = set(BUILDABLE_TYPES)
     names = tuple(t.strip().upper() for t in text.split(",") if t.strip())
     unknown = [n for n in names if n not in known]
     if unknown or not names:

@@ -85,8 +85,9 @@ class Session:
 
             self.say(f"opening engine {self.options.engine}")
             kwargs = dict(self.options.engine_kwargs)
-            if self.options.engine.split(":")[0] == "vllm" and self.options.python:
-                kwargs.setdefault("python", self.options.python)  # vLLM runs in the engine's interpreter
+            if self.options.engine.split(":")[0] in ("vllm", "llama-cpp") and self.options.python:
+                # vLLM, and an isolated llama.cpp, run in the engine's interpreter
+                kwargs.setdefault("python", self.options.python)
             if self.options.engine.startswith(("http://", "https://")) and "http_options" not in kwargs:
                 from ggufcheck.engines.http import HttpOptions
 

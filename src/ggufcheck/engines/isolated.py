@@ -79,8 +79,11 @@ class IsolatedEngine(Engine):
         # ``preload``: modules imported before anything else, numpy included (the order native
         # libraries are loaded in matters: measured, CUDA libllama segfaults at model load when
         # numpy came first, docs/real-world-cases.md)
-        boot = (f"import importlib\nfor m in {list(preload)!r}: importlib.import_module(m)\n"
-                "from ggufcheck.engines.isolated import _serve\n_serve()")
+        boot = ("import importlib, sys\nfailed = None\n"
+                f"for m in {list(preload)!r}:\n"
+                "    try:\n        importlib.import_module(m)\n"
+                "    except Exception as e:\n        failed = f'{sys.executable} cannot import {m}: {e}'\n"
+                "from ggufcheck.engines.isolated import _serve\n_serve(failed)")
         self._proc = subprocess.Popen([python or sys.executable, "-c", boot],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         atexit.register(self.close)
@@ -101,6 +104,10 @@ class IsolatedEngine(Engine):
             ok, value = _receive(proc.stdout)
         except (EOFError, BrokenPipeError, OSError) as err:
             code = proc.wait(timeout=5) if proc.poll() is None else proc.returncode
+            if method == "__init__" and code and code > 0:  # it never served: numpy / ggufcheck did not import
+                raise EngineUnreachable(f"the engine process ({proc.args[0]}) exited with status {code} before it "
+                                        "could serve", tip="its error is printed above (that interpreter needs "
+                                        "numpy and the engine's package)") from None
             raise EngineUnreachable(f"the engine process died during {method} (exit status {code}: "
                                     f"{'killed by signal ' + str(-code) if code and code < 0 else err})",
                                     tip="its stderr above names the native library's complaint") from None
@@ -147,8 +154,10 @@ class IsolatedEngine(Engine):
             proc.wait()
 
 
-def _serve() -> None:
-    """The child: build the engine, then answer calls until told to close or the pipe ends."""
+def _serve(preload_failure: str | None = None) -> None:
+    """The child: build the engine, then answer calls until told to close or the pipe ends.
+    ``preload_failure``: why a module to load first did not import (the engine is then
+    Unavailable, said as such to the parent)."""
     frames_in = sys.stdin.buffer
     frames_out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # anything a native library prints goes to stderr, never into a frame
@@ -160,6 +169,11 @@ def _serve() -> None:
         except EOFError:
             break
         try:
+            if method == "__init__" and preload_failure:
+                from ggufcheck.errors import Unavailable
+
+                raise Unavailable(preload_failure, tip="install the engine's package in that interpreter, or "
+                                                       "pass the interpreter that has it with --python")
             if method == "__init__":
                 factory, model_path, options = args
                 module, _, name = factory.partition(":")

@@ -75,12 +75,13 @@ def open_engine(spec: str, model_path: str | Path | None, **kwargs) -> Engine:
                              tip=f"known: {', '.join(sorted(allowed))}")
         # a GPU build of llama.cpp cannot share a process with torch (engines.isolated):
         # offloading runs it in a process of its own; isolate=0|1 overrides
-        isolate = opts.pop("isolate", 1 if opts.get("n_gpu_layers") else 0)
+        python = kwargs.pop("python", None)  # --python: the interpreter whose llama_cpp runs it (isolated)
+        isolate = opts.pop("isolate", 1 if (opts.get("n_gpu_layers") or python) else 0)
         if isolate:
             from ggufcheck.engines.isolated import IsolatedEngine
 
             return IsolatedEngine("ggufcheck.engines.llama_cpp:LlamaCppEngine", model_path, preload=("llama_cpp",),
-                                  **{**kwargs, **opts})
+                                  python=python, **{**kwargs, **opts})
         return LlamaCppEngine(model_path, **{**kwargs, **opts})
     if head == "vllm":
         from ggufcheck.engines.vllm import VllmEngine, parse_options
