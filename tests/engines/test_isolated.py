@@ -57,3 +57,14 @@ def test_a_factory_that_fails_raises_its_own_error(tmp_path):
     missing = tmp_path / "missing.gguf"
     with pytest.raises(GGUFCheckError, match="missing.gguf"):
         IsolatedEngine("ggufcheck.engines.reference:ReferenceEngine", missing)
+
+
+def test_a_failed_start_leaves_no_child_behind(tmp_path):
+    psutil = pytest.importorskip("psutil")  # to count this process's children
+
+    from ggufcheck.errors import GGUFCheckError
+
+    before = {c.pid for c in psutil.Process().children()}
+    with pytest.raises(GGUFCheckError):
+        IsolatedEngine("ggufcheck.engines.reference:ReferenceEngine", tmp_path / "missing.gguf")
+    assert {c.pid for c in psutil.Process().children() if c.is_running() and c.status() != "zombie"} <= before

@@ -87,7 +87,11 @@ class IsolatedEngine(Engine):
         self._proc = subprocess.Popen([python or sys.executable, "-c", boot],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         atexit.register(self.close)
-        info = self._call("__init__", factory, str(model_path), kwargs)
+        try:
+            info = self._call("__init__", factory, str(model_path), kwargs)
+        except BaseException:
+            self.close()  # a child that could not build the engine is not left waiting
+            raise
         self.name = info["name"]
         self.vocab_size = info["vocab_size"]
         caps = info["capabilities"]
