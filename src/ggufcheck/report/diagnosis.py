@@ -36,6 +36,9 @@ def render_diagnosis(console: Console, diagnosis: Any, verbose: bool = False) ->
         ladder.add_row(stage.stage, status_text(stage.status), note,
                        "/".join(str(counts[s]) for s in (Status.PASS, Status.FAIL, Status.SKIP, Status.ERROR)))
     console.print(ladder)
+    timings = getattr(diagnosis, "timings", None) or {}
+    if timings:  # where the time went, per stage of the plan (the served stage: sanity, logits, paths)
+        console.print("[dim]time: " + ", ".join(f"{name} {t:.1f} s" for name, t in timings.items()) + "[/dim]")
     if verbose:
         for stage in diagnosis.stages:
             render_stage(console, stage, verbose=True)
