@@ -14,7 +14,7 @@ from torch import Tensor
 from ggufcheck.reference.cache import LayerCache, LayerOutput
 from ggufcheck.reference.config import ReferenceConfig
 from ggufcheck.reference.dense import Weights, self_attention
-from ggufcheck.reference.layers import moe_block, rms_norm, router_gap, swiglu
+from ggufcheck.reference.layers import ffn_block, rms_norm
 
 
 def forward_layer(
@@ -25,11 +25,7 @@ def forward_layer(
     attn_out = self_attention(cfg, w, rms_norm(h, w["attn_norm.weight"], cfg.rms_eps), rope, q_pos, k_pos, cache)
     after_attn = h + attn_out
     x = rms_norm(after_attn, w["post_attention_norm.weight"], cfg.rms_eps)
-    if cfg.is_moe_layer(i):
-        ffn_out, ids, weights = moe_block(cfg, w, x)
-        gap_r = router_gap(x, w["ffn_gate_inp.weight"], w.get("exp_probs_b.bias"), cfg, ids)
-    else:
-        ffn_out, ids, weights = swiglu(x, w["ffn_gate.weight"], w["ffn_up.weight"], w["ffn_down.weight"]), None, None
-        gap_r = None
+    ffn = ffn_block(cfg, w, x, cfg.is_moe_layer(i))
+    ffn_out, ids, weights, gap_r = ffn.out, ffn.ids, ffn.weights, ffn.gap
     return LayerOutput(hidden=after_attn + ffn_out, after_attn=after_attn, attn_out=attn_out, ffn_out=ffn_out,
                        expert_ids=ids, expert_weights=weights, router_gap=gap_r)

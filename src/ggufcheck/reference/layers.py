@@ -10,6 +10,8 @@ d head dim, D hidden, E experts, K experts per token, F ffn width.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import math
 
 import torch
@@ -194,18 +196,43 @@ def moe(x: Tensor, ids: Tensor, weights: Tensor, gate_exps: Tensor, up_exps: Ten
 
 
 def moe_block(cfg: ReferenceConfig, w: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Routed experts plus the unweighted shared expert: x [T, D] -> (out [T, D], ids, weights).
+    """Routed experts plus the unweighted shared expert: x [T, D] -> (out [T, D], ids, weights)."""
+    parts = ffn_block(cfg, w, x, moe_layer=True)
+    return parts.out, parts.ids, parts.weights
+
+
+@dataclass
+class FFNParts:
+    """One layer's FFN / MoE block on its normed input: the sum and, for MoE, its parts."""
+
+    out: Tensor  # [T, D]
+    routed: Tensor | None = None  # [T, D] the weighted routed experts
+    shared: Tensor | None = None  # [T, D] the shared expert
+    ids: Tensor | None = None  # [T, k] chosen experts
+    weights: Tensor | None = None  # [T, k] their weights
+    gap: Tensor | None = None  # [T] router_gap: how close the routing is to another choice
+
+
+def ffn_block(cfg: ReferenceConfig, w: dict[str, Tensor], x: Tensor, moe_layer: bool) -> FFNParts:
+    """The FFN of a layer on normed x [T, D]: SwiGLU, or routed experts plus the unweighted
+    shared expert. The families' forward_layer and the layers stage's replay both call this,
+    so a replay computes exactly what the reference does.
 
     Stacked expert tensors as GGUF stores them: ``ffn_gate_exps`` / ``ffn_up_exps`` [E, F, D]
     (or fused ``ffn_gate_up_exps`` [E, 2F, D]: gate rows first), ``ffn_down_exps`` [E, D, F].
     """
+    if not moe_layer:
+        return FFNParts(out=swiglu(x, w["ffn_gate.weight"], w["ffn_up.weight"], w["ffn_down.weight"]))
     ids, weights = route(x, w["ffn_gate_inp.weight"], w.get("exp_probs_b.bias"), cfg)
     if "ffn_gate_up_exps.weight" in w:
         gate_up = w["ffn_gate_up_exps.weight"]  # [E, 2F, D]
         gate, up = gate_up[:, : cfg.n_ff_exp], gate_up[:, cfg.n_ff_exp :]  # [E, F, D] each
     else:
         gate, up = w["ffn_gate_exps.weight"], w["ffn_up_exps.weight"]
-    out = moe(x, ids, weights, gate, up, w["ffn_down_exps.weight"])
+    routed = moe(x, ids, weights, gate, up, w["ffn_down_exps.weight"])
+    shared = None
     if "ffn_gate_shexp.weight" in w:
-        out = out + swiglu(x, w["ffn_gate_shexp.weight"], w["ffn_up_shexp.weight"], w["ffn_down_shexp.weight"])
-    return out, ids, weights
+        shared = swiglu(x, w["ffn_gate_shexp.weight"], w["ffn_up_shexp.weight"], w["ffn_down_shexp.weight"])
+    gap = router_gap(x, w["ffn_gate_inp.weight"], w.get("exp_probs_b.bias"), cfg, ids)
+    return FFNParts(out=routed if shared is None else routed + shared, routed=routed, shared=shared, ids=ids,
+                    weights=weights, gap=gap)

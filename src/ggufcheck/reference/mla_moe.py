@@ -14,7 +14,7 @@ from torch import Tensor
 from ggufcheck.reference import dsa, mla
 from ggufcheck.reference.cache import LayerCache, LayerOutput
 from ggufcheck.reference.config import ReferenceConfig
-from ggufcheck.reference.layers import causal_mask, moe_block, rms_norm, router_gap, swiglu
+from ggufcheck.reference.layers import causal_mask, ffn_block, rms_norm
 
 Weights = dict[str, Tensor]
 
@@ -35,12 +35,8 @@ def forward_layer(
     attn_out = mla.mla_attention(cfg, w, x, q_nope, q_pe, rope, allowed, cache)
     after_attn = h + attn_out
     x = rms_norm(after_attn, w["ffn_norm.weight"], cfg.rms_eps)
-    if cfg.is_moe_layer(i):
-        ffn_out, ids, weights = moe_block(cfg, w, x)
-        gap_r = router_gap(x, w["ffn_gate_inp.weight"], w.get("exp_probs_b.bias"), cfg, ids)
-    else:
-        ffn_out, ids, weights = swiglu(x, w["ffn_gate.weight"], w["ffn_up.weight"], w["ffn_down.weight"]), None, None
-        gap_r = None
+    ffn = ffn_block(cfg, w, x, cfg.is_moe_layer(i))
+    ffn_out, ids, weights, gap_r = ffn.out, ffn.ids, ffn.weights, ffn.gap
     return LayerOutput(hidden=after_attn + ffn_out, after_attn=after_attn, attn_out=attn_out, ffn_out=ffn_out,
                        expert_ids=ids, expert_weights=weights, router_gap=gap_r, topk=topk, topk_full=full, topk_ties=ties,
                        topk_gap=gap)

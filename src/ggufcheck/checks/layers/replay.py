@@ -12,28 +12,13 @@ from torch import Tensor
 
 
 def ffn_parts(cfg, w: dict[str, Tensor], after_attn: Tensor, layer: int):
-    """The FFN / MoE block on ``after_attn`` [T, D]: (out, routed, shared, ids, routing gap [T])."""
-    from ggufcheck.reference.layers import moe, rms_norm, swiglu
+    """The FFN / MoE block on ``after_attn`` [T, D], through the reference's own ffn_block:
+    (out, routed, shared, ids, routing gap [T])."""
+    from ggufcheck.reference.layers import ffn_block, rms_norm
 
     norm = w["ffn_norm.weight"] if "ffn_norm.weight" in w else w["post_attention_norm.weight"]
-    x = rms_norm(after_attn, norm, cfg.rms_eps)
-    if not cfg.is_moe_layer(layer):
-        return swiglu(x, w["ffn_gate.weight"], w["ffn_up.weight"], w["ffn_down.weight"]), None, None, None, None
-    from ggufcheck.reference.layers import route, router_gap
-
-    ids, weights = route(x, w["ffn_gate_inp.weight"], w.get("exp_probs_b.bias"), cfg)
-    gap = router_gap(x, w["ffn_gate_inp.weight"], w.get("exp_probs_b.bias"), cfg, ids)  # [T]: for tie margins
-    if "ffn_gate_up_exps.weight" in w:
-        gate_up = w["ffn_gate_up_exps.weight"]  # [E, 2F, D]
-        gate, up = gate_up[:, : cfg.n_ff_exp], gate_up[:, cfg.n_ff_exp:]
-    else:
-        gate, up = w["ffn_gate_exps.weight"], w["ffn_up_exps.weight"]
-    routed = moe(x, ids, weights, gate, up, w["ffn_down_exps.weight"])
-    shared = None
-    if "ffn_gate_shexp.weight" in w:
-        shared = swiglu(x, w["ffn_gate_shexp.weight"], w["ffn_up_shexp.weight"], w["ffn_down_shexp.weight"])
-    out = routed if shared is None else routed + shared
-    return out, routed, shared, ids, gap
+    parts = ffn_block(cfg, w, rms_norm(after_attn, norm, cfg.rms_eps), cfg.is_moe_layer(layer))
+    return parts.out, parts.routed, parts.shared, parts.ids, parts.gap
 
 
 class Replayer:
