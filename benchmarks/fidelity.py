@@ -47,6 +47,27 @@ def _open(spec: str, path: Path):
     return open_engine(spec, path)
 
 
+def _fault_rows():
+    """(row name, archs, build(arch, path) -> engine, named(diagnosis, path) -> bool) for every
+    catalogued fault, then the served-path fault only the prefill length sweep localizes."""
+    from ggufcheck.engines.faults import LongPromptWrong
+
+    for name, fault in FAULTS.items():
+        want = {fault.component, fault.layers_component} - {None}
+
+        def build(arch, path, name=name):
+            return make_faulty_engine(name, path, **dict(FAULT_KW.get(name, {}).get(arch, {})))
+
+        def named(d, path, name=name, fault=fault, want=want):
+            layer_ok = not fault.per_layer or d.verdict.layer == fault_layer(name, path)
+            return d.verdict.component in want and layer_ok
+
+        yield name, [a for a in ARCHS if fault.applies_to(a)], build, named
+    yield ("prompts-longer-than-64-wrong", list(ARCHS),
+           lambda arch, path: LongPromptWrong(_open("reference:fp32", path), longer_than=64),
+           lambda d, path: d.verdict.component == "kv-cache" and "(64 tokens)" in d.verdict.message)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=3)
@@ -94,38 +115,19 @@ def main() -> int:
     say("| fault | archs | detected | named instead |")
     say("|---|---|---|---|")
     total = hits = 0
-    for name, fault in FAULTS.items():
+    for row, archs, build, named in _fault_rows():
         got, instead = 0, []
-        archs = [a for a in ARCHS if fault.applies_to(a)]
         for arch in archs:
             path = tmp / f"{arch}-F32-1.gguf"
-            kw = dict(FAULT_KW.get(name, {}).get(arch, {}))
-            engine = make_faulty_engine(name, path, **kw)
-            with engine:
+            with build(arch, path) as engine:
                 d = _diagnose(path, engine)
-            want = {fault.component, fault.layers_component} - {None}
-            layer_ok = not fault.per_layer or d.verdict.layer == fault_layer(name, path)
-            if d.verdict.component in want and layer_ok:
+            if named(d, path):
                 got += 1
             else:
                 instead.append(f"{arch}: {d.verdict.component or 'healthy'} @ {d.verdict.layer}")
         total += len(archs)
         hits += got
-        say(f"| {name} | {len(archs)} | {got}/{len(archs)} | {'; '.join(instead) or '-'} |")
-    got, instead, archs = 0, [], list(ARCHS)
-    for arch in archs:  # a served-path fault only the prefill length sweep localizes
-        path = tmp / f"{arch}-F32-1.gguf"
-        from ggufcheck.engines.faults import LongPromptWrong
-
-        with LongPromptWrong(_open("reference:fp32", path), longer_than=64) as engine:
-            d = _diagnose(path, engine)
-        if d.verdict.component == "kv-cache" and "(64 tokens)" in d.verdict.message:
-            got += 1
-        else:
-            instead.append(f"{arch}: {d.verdict.component or 'healthy'}")
-    total += len(archs)
-    hits += got
-    say(f"| prompts-longer-than-64-wrong | {len(archs)} | {got}/{len(archs)} | {'; '.join(instead) or '-'} |")
+        say(f"| {row} | {len(archs)} | {got}/{len(archs)} | {'; '.join(instead) or '-'} |")
     say(f"| **all** | | **{hits}/{total} ({hits / total:.0%})** | |")
     say("(norm-eps-wrong with eps 1e-3 on glm4moe, deepseek2, glm-dsa: 1e-5 <-> 1e-6 is below the fp32 "
         "class's resolution there, see FAULT_KW)")

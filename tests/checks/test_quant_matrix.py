@@ -70,3 +70,15 @@ def test_each_types_model_has_the_float_models_spread(tmp_path, qtype):
             got = float(dequantize_tensor(q, name).double().std())
             assert 0.5 < got / want < 2.0, (name, got, want)
     assert MATRIX_DIMS["n_embd"] % 256 == 0
+
+
+@pytest.mark.llama
+def test_asking_a_cpu_build_to_offload_says_so_in_one_line(capsys):
+    """No GPU here: the matrix on a GPU engine is a clear, specific refusal (the library
+    loaded, why it cannot offload, how to point at a GPU build), not a traceback or a hang."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    if llama_cpp.llama_supports_gpu_offload():
+        pytest.skip("this llama.cpp library has a GPU backend")
+    assert main(["quants", "--engine", "llama-cpp:n_gpu_layers=99", "--types", "Q4_0"]) == 2
+    err = capsys.readouterr().err
+    assert "has no GPU backend" in err and "LLAMA_CPP_LIB_PATH" in err and "Traceback" not in err
