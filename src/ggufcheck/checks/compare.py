@@ -369,7 +369,7 @@ def _judged_through_ties(refs, tables, base_tables, ambiguous: int, source: str,
     note = (f"; {ambiguous} of {metrics.n} positions follow a routing or indexer near-tie of the reference, so "
             "every position is judged, against the baseline run on the same positions")
     if 0 < far.sum() <= MAX_FLIP_SHARE * metrics.n:
-        metrics = _rows(metrics, ~far)
+        metrics = metrics.select(~far)
         metrics.ambiguous = int(far.sum())
         note += f", but the {int(far.sum())} far off it: a correct engine can resolve those ties the other way"
     return metrics, baseline, note
@@ -377,14 +377,6 @@ def _judged_through_ties(refs, tables, base_tables, ambiguous: int, source: str,
 
 # at most this share of tie-following positions may be left out as flips (_judged_through_ties)
 MAX_FLIP_SHARE = 0.25
-
-
-def _rows(metrics, keep: np.ndarray):
-    """``metrics`` restricted to the rows ``keep`` (a boolean mask over its rows)."""
-    fields = {}
-    for name, value in vars(metrics).items():
-        fields[name] = value[keep] if isinstance(value, np.ndarray) and value.shape[:1] == keep.shape else value
-    return type(metrics)(**fields)
 
 
 def _ambiguous_onwards(table: TokenLogprobs, generation) -> TokenLogprobs:

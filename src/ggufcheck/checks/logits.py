@@ -110,6 +110,12 @@ class PositionMetrics:
     def n(self) -> int:
         return len(self.kl)
 
+    def select(self, keep: np.ndarray) -> "PositionMetrics":
+        """These metrics restricted to the rows ``keep`` (a boolean mask over the rows)."""
+        fields = {name: value[keep] if isinstance(value, np.ndarray) and value.shape[:1] == keep.shape else value
+                  for name, value in vars(self).items()}
+        return type(self)(**fields)
+
     def expected_flips(self, kl_limit: float) -> float:
         """How many argmax disagreements this comparison's own error explains (see
         :func:`expected_flips`), at its mean KL capped at ``kl_limit``."""

@@ -96,7 +96,6 @@ class IsolatedEngine(Engine):
         self.vocab_size = info["vocab_size"]
         caps = info["capabilities"]
         self.capabilities = dataclasses.replace(caps, reasons=reasons(**dict(caps.reasons)))
-        self.attributes = info["attributes"]
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         proc = getattr(self, "_proc", None)
@@ -184,9 +183,7 @@ def _serve(preload_failure: str | None = None) -> None:
                 engine = getattr(importlib.import_module(module), name)(model_path, **options)
                 caps = engine.capabilities
                 value = {"name": engine.name, "vocab_size": engine.vocab_size,
-                         "capabilities": dataclasses.replace(caps, reasons=dict(caps.reasons)),
-                         "attributes": {k: v for k, v in vars(engine).items()
-                                        if isinstance(v, (int, float, str, bool))}}
+                         "capabilities": dataclasses.replace(caps, reasons=dict(caps.reasons))}
             elif method == "close":
                 if engine is not None:
                     engine.close()

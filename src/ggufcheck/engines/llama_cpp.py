@@ -53,6 +53,18 @@ GGML_TYPE_F32 = 0
 GGML_TYPE_I32 = 26
 
 
+def dominant_weight_type(model_path: str | Path) -> str:
+    """The most common ggml type among the file's 2-D ``blk.*`` weights ("F32" if none):
+    the type whose kernels set llama.cpp's rounding (activation_class, rounding)."""
+    from collections import Counter
+
+    from ggufcheck.gguf.reader import open_gguf
+
+    with open_gguf(model_path) as model:
+        types = Counter(t.qtype.name for t in model.tensors.values() if t.name.startswith("blk.") and len(t.ne) >= 2)
+    return types.most_common(1)[0][0] if types else "F32"
+
+
 def activation_class(model_path: str | Path) -> str:
     """The numerical class of llama.cpp's CPU matmuls for this file's weights.
 
@@ -61,13 +73,7 @@ def activation_class(model_path: str | Path) -> str:
     activations to 8-bit blocks (Q8_0 / Q8_1 / Q8_K). The most common type among the 2-D
     ``blk.*`` weights decides.
     """
-    from collections import Counter
-
-    from ggufcheck.gguf.reader import open_gguf
-
-    with open_gguf(model_path) as model:
-        types = Counter(t.qtype.name for t in model.tensors.values() if t.name.startswith("blk.") and len(t.ne) >= 2)
-    dominant = types.most_common(1)[0][0] if types else "F32"
+    dominant = dominant_weight_type(model_path)
     return {"F32": "fp32", "F16": "fp16", "BF16": "bf16"}.get(dominant, "q8")
 
 
@@ -76,13 +82,7 @@ def rounding(model_path: str | Path, params: Any) -> dict[str, str]:
     weight type's vec_dot_type (Q8_0 blocks for Q4_0..Q8_0, Q8_K for K-quants, f16 / bf16 for
     F16 / BF16 weights), the KV cache to type_k / type_v (f16 by default; a quantized cache
     as 8-bit blocks, an approximation)."""
-    from collections import Counter
-
-    from ggufcheck.gguf.reader import open_gguf
-
-    with open_gguf(model_path) as model:
-        types = Counter(t.qtype.name for t in model.tensors.values() if t.name.startswith("blk.") and len(t.ne) >= 2)
-    dominant = types.most_common(1)[0][0] if types else "F32"
+    dominant = dominant_weight_type(model_path)
     out = {}
     if dominant != "F32":
         out["activations"] = {"F16": "f16", "BF16": "bf16"}.get(
