@@ -205,12 +205,12 @@ def test_deepseek2_defaults_and_legacy_layout():
     assert not legacy.mla.split_kv_b and (legacy.mla.qk_nope, legacy.mla.v_head) == (128, 128)
 
 
-def test_unknown_architecture_is_generic(gemma3_path=None):
-    meta = {"general.architecture": "gemma3", "gemma3.embedding_length": 640,
-            "gemma3.block_count": 18, "gemma3.attention.head_count": 4}
+def test_unknown_architecture_is_generic():
+    meta = {"general.architecture": "phi3", "phi3.embedding_length": 640,
+            "phi3.block_count": 18, "phi3.attention.head_count": 4}
     spec, findings = build_spec(meta, ["token_embd.weight"])
     assert findings == [] and isinstance(spec, GenericSpec) and not spec.supported
-    assert "no spec or tensor table for architecture 'gemma3'" in spec.reason
+    assert "no spec or tensor table for architecture 'phi3'" in spec.reason
     assert (spec.n_embd, spec.n_block, spec.tied_output) == (640, 18, True)
     assert build_spec({})[1][0].key == "general.architecture"
 
@@ -222,7 +222,10 @@ def test_mixtral_style_llama_is_generic_not_a_false_finding():
     assert not findings and isinstance(spec, GenericSpec) and "Mixtral" in spec.reason
 
 
-def test_real_gemma3_file_is_generic():
+def test_real_gemma3_file_spec():
+    """Gemma 3 270M as llama.cpp's loader reads it (src/models/gemma3.cpp): window 512 on five
+    of every six layers, local rope base 10000 (its default: the file has no freq_base_swa),
+    q scaled by 1/sqrt(head dim 256), embeddings by sqrt(640), no soft-cap."""
     from ggufcheck.errors import Unavailable
     from ggufcheck.gguf.reader import open_gguf
     from ggufcheck.testing.models import gemma3_path
@@ -233,8 +236,33 @@ def test_real_gemma3_file_is_generic():
         pytest.skip(str(err))
     with open_gguf(path) as model:
         spec, findings = build_spec(model.metadata, model.tensors)
-    assert isinstance(spec, GenericSpec) and spec.arch == "gemma3" and not findings
-    assert spec.n_block == 18 and spec.n_embd == 640
+    assert not findings and spec.supported and spec.arch == "gemma3"
+    assert (spec.n_block, spec.n_embd, spec.n_head, spec.n_head_kv, spec.head_dim_k) == (18, 640, 4, 1, 256)
+    assert spec.swa.window == 512 and spec.swa.rope_base == 10000.0 and spec.rope.base == 1e6
+    assert [i for i in range(18) if not spec.swa.is_swa(i)] == [5, 11, 17]
+    assert spec.kq_scale == 1 / 16 and math.isclose(spec.embed_scale, math.sqrt(640)) and spec.final_softcap == 0
+
+
+def test_gemma3_keys_as_llama_cpp_reads_them():
+    base = {"general.architecture": "gemma3", "gemma3.embedding_length": 64, "gemma3.block_count": 62,
+            "gemma3.attention.head_count": 4, "gemma3.attention.head_count_kv": 2,
+            "gemma3.attention.key_length": 32, "gemma3.attention.value_length": 32,
+            "gemma3.feed_forward_length": 128, "gemma3.attention.layer_norm_rms_epsilon": 1e-6,
+            "gemma3.vocab_size": 300}
+    spec = spec_from_metadata(base)  # no sliding_window key: every layer global
+    assert spec.swa is None and any("globally" in n for n in spec.notes)
+    assert spec.kq_scale == 1 / math.sqrt(64 / 4)  # 62 layers = 27B: 1/sqrt(D/H), not 1/sqrt(hd)
+    spec = spec_from_metadata({**base, "gemma3.block_count": 4, "gemma3.attention.sliding_window": 16,
+                               "gemma3.attention.sliding_window_pattern": [True, False, True, False],
+                               "gemma3.final_logit_softcapping": 30.0, "gemma3.rope.freq_base_swa": 5e4})
+    assert spec.swa.layers == (True, False, True, False) and spec.swa.rope_base == 5e4
+    assert spec.final_softcap == 30.0 and spec.kq_scale == 1 / math.sqrt(32)
+    spec = spec_from_metadata({**base, "gemma3.block_count": 4, "gemma3.attention.sliding_window": 16,
+                               "gemma3.attention.sliding_window_pattern": 2})
+    assert spec.swa.layers == (True, False, True, False)
+    _, findings = build_spec({**base, "gemma3.block_count": 4, "gemma3.attention.sliding_window": 16,
+                              "gemma3.attention.sliding_window_pattern": [True]})
+    assert findings and findings[0].key == "gemma3.attention.sliding_window_pattern"
 
 
 def test_specs_are_frozen():

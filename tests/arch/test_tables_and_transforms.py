@@ -40,6 +40,7 @@ ROLE_SHAPES = {  # GGUF inputs of each transform, for the small spec (H 4, hd 6 
     "unstack_experts": {"w": (3, 6, 12)},
     "fuse_gate_up": {"gate": (3, 6, 12), "up": (3, 6, 12)},
     "split_fused_gate_up": {"w": (3, 12, 12)},
+    "gemma_norm": {"w": (64,)},
 }
 HF_NAME = {"unstack_experts": "x.{e}.w", "split_fused_gate_up": "x.{e}.{proj}.w"}
 
@@ -51,6 +52,8 @@ def test_transform_round_trips_bit_exactly(name):
     assert set(ROLE_SHAPES[name]) == set(t.roles)
     gen = torch.Generator().manual_seed(0)
     gguf = {role: torch.randn(shape, generator=gen) for role, shape in ROLE_SHAPES[name].items()}
+    if name == "gemma_norm":  # stored 1 + w: exact for stored values >= 0.5 (w - 1 and back round nowhere)
+        gguf = {"w": (1 + 0.2 * gguf["w"]).clamp(0.5, 8.0)}
     hf_name = HF_NAME.get(name, "x.w")
     hf = t.to_hf(gguf, spec, hf_name)
     assert sorted(hf) == sorted(t.hf_names(spec, hf_name))
@@ -197,7 +200,7 @@ def test_eval_dim():
         eval_dim("Q", dims)
     with pytest.raises(ValueError):
         eval_dim("__import__('os')", dims)
-    assert set(TABLES) == {"llama", "qwen2", "qwen3", "glm4moe", "deepseek2", "glm-dsa"}
+    assert set(TABLES) == {"llama", "qwen2", "qwen3", "gemma3", "glm4moe", "deepseek2", "glm-dsa"}
 
 
 def test_legacy_and_lite_deepseek2_layouts():

@@ -1,7 +1,7 @@
 """The layers stage names each injected fault's component and layer; healthy engines pass.
 
 Every fault of ``ggufcheck.testing.faults`` on the tiny converted models it applies to
-(llama, deepseek2, glm-dsa; glm4moe for the MoE faults): the layers stage alone (weights
+(llama, deepseek2, glm-dsa; glm4moe for the MoE faults; gemma3 for its sliding window): the layers stage alone (weights
 hidden) must name ``fault.layers_component`` at ``fault_layer``; faults that live in the
 loaded weights are also run through the weights audit, and the two served-path faults (KV
 cache on decode, flat output) through the compare stages, and the verdict of all stages in
@@ -31,6 +31,8 @@ LAYER_FAULTS = {  # arch -> the faults the layers stage must name on it
                 "routed-scale-twice", "rope-pairing-swapped", "norm-eps-wrong", "attention-scale-wrong"],
     "glm4moe": ["experts-permuted", "router-bias-ignored", "routed-scale-never", "allreduce-doubled",
                 "gating-swapped"],
+    "gemma3": ["sliding-window-ignored", "swa-rope-base-wrong", "rope-pairing-swapped", "norm-eps-wrong",
+               "attention-scale-wrong", "block-scale-corrupted"],
 }
 CASES = [(arch, name) for arch, names in LAYER_FAULTS.items() for name in names]
 
@@ -177,7 +179,7 @@ def test_flat_output_verdict_is_output(models):
     assert verdict.component == "output", verdict.message
 
 
-@pytest.mark.parametrize("arch", ["llama", "deepseek2", "glm-dsa", "glm4moe"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "deepseek2", "glm-dsa", "glm4moe"])
 def test_healthy_reference_fp32_passes(models, arch):
     from ggufcheck.engines.reference import ReferenceEngine
 
@@ -191,7 +193,7 @@ def test_healthy_reference_fp32_passes(models, arch):
     engine.close()
 
 
-@pytest.mark.parametrize("arch", ["llama", "deepseek2", "glm-dsa"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "deepseek2", "glm-dsa"])
 def test_healthy_transformers_passes(tiny_converted, arch):
     """transformers (engines.hf) is an independent implementation: no false alarm. For glm-dsa
     the reference is told transformers' hard-coded q_a / kv_a norm eps (1e-6, the file says

@@ -9,6 +9,10 @@
   glm-dsa past top_k: positions agree except where the indexer's top-k boundary is an
   exact tie (ReLU zeros), which each implementation breaks its own way; the reference
   flags those (``topk_ties``) and every disagreement must be at a flagged position.
+- gemma3 (6 layers, sliding window 8, 40 tokens): layer by layer on llama.cpp's own inputs,
+  attention agrees to ~2e-7; the FFN differs by ~3e-4 because ggml's CPU GELU is a table
+  over f16 inputs with f16 values, and with that rounding emulated (``gelu="f16"``) by
+  ~1e-7..3e-6 (the rest: tanhf vs tanh at f16 rounding boundaries).
 """
 
 import pytest
@@ -116,3 +120,39 @@ def test_glm_dsa_past_top_k_first_disagreement_is_an_indexer_tie(arch, tiny, lla
     assert (diff[:first_tie] < 1e-5).all()
     if bad:
         assert bad[0] in ties, f"first disagreement at {bad[0]} is not at an indexer tie ({ties})"
+
+
+def test_gemma3_layers_agree_once_ggml_gelu_table_is_emulated(tiny, prompt):
+    """gemma3 through llama.cpp (F32 weights and KV cache): each layer replayed on llama.cpp's
+    own input. Attention (sliding-window layers 0-4, global layer 5) agrees to fp32 rounding;
+    the FFN's difference is ggml's f16 GELU table, and goes once the reference rounds there."""
+    import numpy as np
+
+    from ggufcheck.checks.layers.replay import Replayer
+    from ggufcheck.engines.llama_cpp import LlamaCppEngine
+    from ggufcheck.reference.precision import Emulation, emulating
+
+    path = tiny("gemma3").gguf_path
+    tokens = prompt(40)
+    engine = LlamaCppEngine(path, n_ctx=128, type_k=0, type_v=0)
+    assert engine.capabilities.rounding == {"gelu": "f16"}
+    trace = engine.layer_outputs(tokens)
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm())
+
+    plain, emulated = Emulation(), Emulation(gelu="f16")
+    with ReferenceModel(path, dtype="fp64") as ref:
+        assert ref.cfg.swa_window == 8 and ref.cfg.swa_layers == (True,) * 5 + (False,)
+        embeddings = ref.prefill(tokens).embeddings
+        for i in range(ref.cfg.n_layer):
+            h_in = embeddings if i == 0 else torch.as_tensor(np.asarray(trace.tensors[("residual", i - 1)])).double()
+            attn = torch.as_tensor(np.asarray(trace.tensors[("attention", i)])).double()
+            ffn = torch.as_tensor(np.asarray(trace.tensors[("ffn", i)])).double()
+            replay = Replayer(ref, i)
+            assert rel(attn, replay.attention(h_in, None).attn_out) < 1e-6, f"layer {i} attention"
+            with emulating(plain):
+                off = rel(ffn, replay.ffn(h_in + attn)[0])
+            with emulating(emulated):
+                on = rel(ffn, replay.ffn(h_in + attn)[0])
+            assert off > 1e-4 and on < 1e-5 and on < off / 30, f"layer {i} ffn: {off:.2e} plain, {on:.2e} emulated"

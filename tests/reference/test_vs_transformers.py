@@ -30,6 +30,7 @@ CASES = {  # arch -> reference options that state transformers' conventions
     "llama3": {},
     "qwen2": {},
     "qwen3": {},
+    "gemma3": {},
     "glm4moe": {},
     "deepseek2": {},
     "deepseek2-yarn": {},

@@ -11,7 +11,7 @@ keeping their own lists, and ``tests/arch/test_families.py`` walks the registry 
 family cannot be half-added: each one needs its table rows, reference module, tiny builder
 dimensions, converter config and fault coverage.
 
-Facts: docs/architectures.md sec 2 (rope pairing), sec 3-6 (families); gating defaults are
+Facts: docs/architectures.md sec 2 (rope pairing), sec 3-6 and 8 (families); gating defaults are
 llama.cpp's (src/models/deepseek2.cpp: softmax, for old V2 files; glm4-moe.cpp and
 glm-dsa.cpp: sigmoid).
 """
@@ -33,12 +33,14 @@ class Family:
     indexer: bool = False  # DeepSeek Sparse Attention indexer
     nextn: bool = False  # block_count includes nextn_predict_layers NextN / MTP layers
     gating: str | None = None  # MoE gating when expert_gating_func is absent
+    gemma: bool = False  # Gemma 3 layer: sandwich norms, GELU FFN, scaled embeddings, sliding-window layers
 
 
 FAMILIES: dict[str, Family] = {f.arch: f for f in (
     Family("llama", "dense", "dense:LLAMA", "llama", rope="norm"),  # on q/k rows the converter permuted
     Family("qwen2", "dense", "dense:QWEN2", "qwen2", rope="neox"),
     Family("qwen3", "dense", "dense:QWEN3", "qwen3", rope="neox"),
+    Family("gemma3", "gemma3", "gemma3:GEMMA3", "gemma3_text", rope="neox", gemma=True),
     Family("glm4moe", "glm4moe", "glm4moe:GLM4MOE", "glm4_moe", rope="neox", moe=True, nextn=True,
            gating="sigmoid"),
     Family("deepseek2", "mla_moe", "mla:DEEPSEEK2", "deepseek_v3", rope="norm", mla=True, moe=True, nextn=True,

@@ -111,6 +111,23 @@ class Rope:
 
 
 @dataclass(frozen=True)
+class SlidingWindow:
+    """Sliding-window (local) attention layers (gemma3; docs/architectures.md sec 8).
+
+    llama.cpp ``LLAMA_SWA_TYPE_STANDARD`` (src/llama-hparams.h is_masked_swa): a query at
+    position p sees keys k with ``p - k < window``; transformers' sliding mask is the same
+    (``kv_idx > q_idx - sliding_window``). Those layers rotate with their own rope base.
+    """
+
+    window: int
+    layers: tuple[bool, ...]  # per run layer: True = sliding window, False = global
+    rope_base: float  # llama.cpp rope_freq_base_train_swa (rope.freq_base_swa; default 10000)
+
+    def is_swa(self, layer: int) -> bool:
+        return layer < len(self.layers) and self.layers[layer]
+
+
+@dataclass(frozen=True)
 class MLA:
     """Multi-head latent attention dims (deepseek2, glm-dsa; docs/architectures.md sec 3)."""
 
@@ -185,6 +202,11 @@ class ArchSpec:
     moe: MoE | None = None
     indexer: Indexer | None = None
     tied_output: bool | None = None  # None: tensor names were not given
+    # gemma3 (docs/architectures.md sec 8); the defaults are every other family's
+    swa: SlidingWindow | None = None
+    embed_scale: float = 1.0  # token embeddings are multiplied by this (gemma: sqrt(D))
+    attn_scale: float | None = None  # q.k scale when not 1/sqrt(hd) (llama.cpp f_attention_scale)
+    final_softcap: float = 0.0  # logits = c * tanh(logits / c) when > 0
     notes: tuple[str, ...] = field(default=(), compare=False)  # defaults applied, and why
 
     supported = True
@@ -196,7 +218,10 @@ class ArchSpec:
 
     @property
     def kq_scale(self) -> float:
-        """Softmax scale of q.k: ``mscale^2 / sqrt(head dim of q.k)`` (mscale 1 without YaRN)."""
+        """Softmax scale of q.k: ``mscale^2 / sqrt(head dim of q.k)`` (mscale 1 without YaRN),
+        or the family's own (gemma3 27B: ``1/sqrt(D/H)``)."""
+        if self.attn_scale is not None:
+            return self.attn_scale
         return self.rope.mscale**2 / math.sqrt(self.head_dim_k)
 
     def is_nextn_layer(self, i: int) -> bool:
@@ -352,7 +377,7 @@ def _build(keys: Keys, arch: str, tied: bool | None) -> ArchSpec | None:
 def _build_gqa(keys: Keys, arch: str, n_embd: int, n_block: int, n_nextn: int, n_head: int,
                n_head_kv: int, n_vocab: int, rms_eps: float, context: int | None,
                tied: bool | None) -> ArchSpec | None:
-    """llama, qwen2, qwen3, glm4moe: grouped-query attention."""
+    """llama, qwen2, qwen3, gemma3, glm4moe: grouped-query attention."""
     check(keys, n_head % n_head_kv == 0, "attention.head_count_kv",
            f"{n_head_kv} kv heads do not divide {n_head} query heads")
     if not keys.has("attention.key_length"):
@@ -370,10 +395,48 @@ def _build_gqa(keys: Keys, arch: str, n_embd: int, n_block: int, n_nextn: int, n
         return None
     check(keys, moe is None or moe.leading_dense == 0 or n_ff > 0, "feed_forward_length",
            "missing or 0, but leading dense layers need it")
+    gemma = _gemma(keys, n_block, n_embd, n_head, head_k) if FAMILIES[arch].gemma else {}
+    if gemma is None:
+        return None
     return ArchSpec(arch=arch, n_embd=n_embd, n_block=n_block, n_nextn=n_nextn,
                     n_vocab=n_vocab, n_head=n_head, n_head_kv=n_head_kv, head_dim_k=head_k,
                     head_dim_v=head_v, n_ff=n_ff, rms_eps=rms_eps, context_length=context,
-                    rope=rope, moe=moe, tied_output=tied, notes=tuple(keys.notes))
+                    rope=rope, moe=moe, tied_output=tied, notes=tuple(keys.notes), **gemma)
+
+
+GEMMA3_SWA_PATTERN = 6  # llama.cpp gemma3.cpp load_swa_pattern(ml, 6): five local layers, one global
+GEMMA3_27B_LAYERS = 62  # llama.cpp gemma3.cpp: LLM_TYPE_27B scales q by 1/sqrt(D/H), not 1/sqrt(hd)
+
+
+def _gemma(keys: Keys, n_block: int, n_embd: int, n_head: int, head_dim: int) -> dict[str, Any] | None:
+    """gemma3's facts, as llama.cpp's loader (src/models/gemma3.cpp) reads them: the
+    sliding window and its layer pattern, the local layers' rope base, the final soft-cap,
+    the embedding scale sqrt(D) and the q scale (docs/architectures.md sec 8)."""
+    window = keys.int("attention.sliding_window", 0, minimum=0)
+    softcap = keys.float("final_logit_softcapping", 0.0)
+    base_swa = keys.float("rope.freq_base_swa", 10000.0, positive=True)
+    if None in (window, softcap, base_swa):
+        return None
+    swa = None
+    if window > 0:
+        layers = keys.bool_list("attention.sliding_window_pattern") \
+            if isinstance(keys.metadata.get(keys.key("attention.sliding_window_pattern")), (list, tuple)) else None
+        if layers is None:
+            n = keys.int("attention.sliding_window_pattern", GEMMA3_SWA_PATTERN, minimum=0)
+            if n is None:
+                return None
+            layers = tuple(n == 0 or i % n < n - 1 for i in range(n_block))
+        elif not check(keys, len(layers) >= n_block, "attention.sliding_window_pattern",
+                       f"{len(layers)} entries for {n_block} layers"):
+            return None
+        swa = SlidingWindow(window=window, layers=tuple(layers[:n_block]), rope_base=base_swa)
+    else:
+        keys.notes.append("no attention.sliding_window: every layer attends globally")
+    scale = 1.0 / math.sqrt(head_dim)
+    if n_block == GEMMA3_27B_LAYERS:
+        scale = 1.0 / math.sqrt(n_embd // n_head)
+        keys.notes.append("27B (62 layers): q scaled by 1/sqrt(D/H), as llama.cpp and Gemma's code do")
+    return dict(swa=swa, embed_scale=math.sqrt(n_embd), attn_scale=scale, final_softcap=softcap)
 
 
 def _build_mla(keys: Keys, arch: str, n_embd: int, n_block: int, n_nextn: int, n_head: int,

@@ -3,7 +3,8 @@
 A tensor table row names its transform by key (:data:`TRANSFORMS`). Every transform maps
 the GGUF tensors of one group (by role, e.g. ``k_b`` and ``v_b``) to HF tensors (by full
 HF name) and back; both directions are pure reshapes, permutations, stacks and
-concatenations, so GGUF -> HF -> GGUF is bit-exact (tests/arch/test_transforms.py).
+concatenations, so GGUF -> HF -> GGUF is bit-exact; Gemma's norm offset (``1 + w``) is
+exact for stored values >= 0.5 (subtracting 1 rounds nowhere there).
 Transforms run on dequantized values: a transpose crosses quant blocks (docs/architectures.md
 sec 3: dequantize k_b and v_b first).
 
@@ -155,6 +156,14 @@ def _experts_to_fused_gguf(h: Tensors, spec: "ArchSpec", hf: str) -> dict[str, t
     return {"w": torch.stack(rows)}  # (E, 2Fe, D)
 
 
+def _gemma_norm_to_hf(g: Tensors, spec: "ArchSpec", hf: str) -> dict[str, torch.Tensor]:
+    return {hf: g["w"] - 1}
+
+
+def _gemma_norm_to_gguf(h: Tensors, spec: "ArchSpec", hf: str) -> dict[str, torch.Tensor]:
+    return {"w": h[hf] + 1}
+
+
 _Q = _permute(lambda s: s.n_head)
 _K = _permute(lambda s: s.n_head_kv)
 
@@ -162,6 +171,9 @@ TRANSFORMS: dict[str, Transform] = {t.name: t for t in (
     Transform("identity", ("w",), _identity_to_hf, _identity_to_gguf, "same layout"),
     Transform("llama_q", ("w",), *_Q, "undo the converter's q row permutation (n = H)"),
     Transform("llama_k", ("w",), *_K, "undo the converter's k row permutation (n = Hkv)"),
+    Transform("gemma_norm", ("w",), _gemma_norm_to_hf, _gemma_norm_to_gguf,
+              "GGUF 1 + w <-> HF w (Gemma's RMSNorm multiplies by 1 + weight; conversion/gemma.py "
+              "norm_shift); exact for stored values >= 0.5"),
     Transform("kv_b", ("k_b", "v_b"), _kv_b_to_hf, _kv_b_to_gguf,
               "kv_b_proj [H*(P+V), L] from attn_k_b [H, L, P] and attn_v_b [H, V, L]"),
     Transform("unstack_experts", ("w",), _unstack_to_hf, _stack_to_gguf,

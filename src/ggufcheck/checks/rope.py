@@ -56,7 +56,7 @@ def rope_result(runs, layer: int, reference, limit: float) -> Result | None:
             pair = torch.as_tensor(np.asarray(pair)).to(torch.float64)  # [T, 2, N, R]
             t, _, heads, r = pair.shape
             pos = torch.arange(t)
-            cos, sin = reference.rope(pos.to(reference.device))
+            cos, sin = reference.rope(pos.to(reference.device), layer)
             if 2 * cos.shape[-1] != r:
                 return None
             cos, sin = cos.to("cpu", torch.float64), sin.to("cpu", torch.float64)

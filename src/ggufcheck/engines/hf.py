@@ -6,8 +6,9 @@ ggufcheck's tensor table, the config from the architecture spec, and the modelin
 transformers' (an independent second implementation of the math). Per-layer outputs come
 from forward hooks on the decoder layers, attention and MLP modules.
 
-Config builders cover llama, qwen2, qwen3, glm4moe (glm4_moe), deepseek2 (deepseek_v3,
-sigmoid router only) and glm-dsa (glm_moe_dsa); anything else raises Unsupported.
+Config builders cover llama, qwen2, qwen3, gemma3 (gemma3_text), glm4moe (glm4_moe),
+deepseek2 (deepseek_v3, sigmoid router only) and glm-dsa (glm_moe_dsa); anything else
+raises Unsupported.
 """
 
 from __future__ import annotations
@@ -44,9 +45,30 @@ def _rope_parameters(spec: Any) -> dict[str, Any]:
         params.update(rope_type="yarn", factor=rope.factor, original_max_position_embeddings=rope.original_context,
                       beta_fast=rope.beta_fast, beta_slow=rope.beta_slow, mscale=1.0,
                       mscale_all_dim=rope.mscale_all_dim)
+    elif rope.scaling == "linear":
+        params.update(rope_type="linear", factor=rope.factor)
     elif rope.scaling not in (None, "none"):
         raise Unsupported(f"rope scaling {rope.scaling!r} is not mapped to a transformers config yet")
     return params
+
+
+def _gemma3_config(spec: Any) -> dict[str, Any]:
+    """Gemma3TextConfig's own fields: per-layer attention types, the local rope, the q scale."""
+    global_rope = _rope_parameters(spec)
+    if spec.rope.scaling == "linear":
+        global_rope = {"rope_type": "linear", "rope_theta": spec.rope.base, "factor": spec.rope.factor}
+    swa = spec.swa
+    layer_types = ["sliding_attention" if swa is not None and swa.is_swa(i) else "full_attention"
+                   for i in range(spec.n_layer)]
+    local_base = swa.rope_base if swa is not None else spec.rope.base
+    return dict(
+        layer_types=layer_types, sliding_window=swa.window if swa is not None else spec.context_length or 4096,
+        rope_parameters={"full_attention": global_rope,
+                         "sliding_attention": {"rope_type": "default", "rope_theta": local_base}},
+        query_pre_attn_scalar=round(1.0 / spec.kq_scale**2), hidden_activation="gelu_pytorch_tanh",
+        final_logit_softcapping=spec.final_softcap or None, attn_logit_softcapping=None,
+        head_dim=spec.head_dim_k, use_bidirectional_attention=False,
+    )
 
 
 def hf_config(spec: Any) -> dict[str, Any]:
@@ -78,6 +100,8 @@ def hf_config(spec: Any) -> dict[str, Any]:
     if spec.arch == "glm4moe":
         cfg["attention_bias"] = True
         cfg["use_qk_norm"] = True
+    if FAMILIES[spec.arch].gemma:
+        cfg.update(_gemma3_config(spec))
     if spec.indexer is not None:
         idx = spec.indexer
         cfg.update(index_topk=idx.top_k, index_head_dim=idx.head_dim, index_n_heads=idx.n_head,
@@ -252,12 +276,16 @@ class HFEngine(GGUFVocabTokenizer, Engine):
             return hook
 
         for i, layer in enumerate(layers):
+            # what each block adds to the residual: Gemma norms the block outputs first
+            sandwich = hasattr(layer, "post_feedforward_layernorm")
             if "residual" in kinds:
                 hooks.append(layer.register_forward_hook(keep("residual", i)))
             if "attention" in kinds:
-                hooks.append(layer.self_attn.register_forward_hook(keep("attention", i)))
+                module = layer.post_attention_layernorm if sandwich else layer.self_attn
+                hooks.append(module.register_forward_hook(keep("attention", i)))
             if "ffn" in kinds:
-                hooks.append(layer.mlp.register_forward_hook(keep("ffn", i)))
+                module = layer.post_feedforward_layernorm if sandwich else layer.mlp
+                hooks.append(module.register_forward_hook(keep("ffn", i)))
         try:
             with torch.no_grad():
                 self.module(input_ids=torch.tensor([[int(t) for t in tokens]], device=self.device))

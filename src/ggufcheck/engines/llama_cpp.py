@@ -49,6 +49,35 @@ NODE_KINDS = {
     "ffn_moe_out": "moe",
     "ffn_moe_topk": "router",  # int32 expert ids chosen per token
 }
+# gemma3.cpp names the blocks' outputs after their post-norms (what is added to the
+# residual, as the reference's attn_out / ffn_out); its "ffn_out" is BEFORE the post-norm
+NODE_KINDS_BY_ARCH = {
+    "gemma3": {"l_out": "residual", "attn_post_norm": "attention", "ffn_post_norm": "ffn"},
+}
+
+
+def node_kinds(arch: str | None) -> dict[str, str]:
+    """The graph nodes to capture per layer kind for a GGUF architecture."""
+    return NODE_KINDS_BY_ARCH.get(arch or "", NODE_KINDS)
+
+
+_SILENT_LOG = []  # the ctypes callback must outlive every llama.cpp call that may log
+
+
+def silence_llama_logs(llama_cpp: Any) -> None:
+    """Route llama.cpp's log to nowhere (``verbose=0``).
+
+    llama-cpp-python 0.3.36's own callback filters with the old ggml level numbers
+    (WARN = 2) while its bundled llama.cpp uses the new ones (WARN = 3, which it reads as
+    ERROR), so every warning reached the terminal even with ``verbose=False`` (e.g. one
+    "using full-size SWA cache" per context for gemma3). Failures reach the user through
+    return codes and exceptions; ``verbose=1`` shows llama.cpp's whole log.
+    """
+    if not _SILENT_LOG:
+        _SILENT_LOG.append(llama_cpp.llama_log_callback(lambda level, text, user_data: None))
+    llama_cpp.llama_log_set(_SILENT_LOG[0], ctypes.c_void_p(0))
+
+
 GGML_TYPE_F32 = 0
 GGML_TYPE_I32 = 26
 
@@ -90,7 +119,19 @@ def rounding(model_path: str | Path, params: Any) -> dict[str, str]:
     kv = {0: None, 1: "f16", 30: "bf16"}.get(int(params.type_k), "q8_0")
     if kv is not None:
         out["kv"] = kv
+    if _gelu_family(model_path):  # ggml-cpu vec.h GGML_GELU_FP16: the GELU is an f16 table
+        out["gelu"] = "f16"
     return out
+
+
+def _gelu_family(model_path: str | Path) -> bool:
+    """Whether the file's architecture has a GELU FFN (gemma: arch/families.py)."""
+    from ggufcheck.arch.families import family
+    from ggufcheck.gguf.reader import open_gguf
+
+    with open_gguf(model_path) as model:
+        fam = family(str(model.metadata.get("general.architecture", "")))
+    return fam is not None and fam.gemma
 
 
 # ggml's vec_dot_type on CPU per weight type: the block format activations are quantized to
@@ -102,6 +143,7 @@ def gpu_rounding(model_path: str | Path, params: Any) -> dict[str, str]:
     (blocks of 32, emulated as Q8_0) for every quant type, F16 / BF16 weights' matmuls in
     f16 / bf16 (cuBLAS), the KV cache as on CPU."""
     out = rounding(model_path, params)
+    out.pop("gelu", None)  # CUDA's GELU computes in f32
     act = out.get("activations")
     if act in ("q8_0", "q8_k"):
         out["activations"] = "q8_0"
@@ -163,6 +205,8 @@ class LlamaCppEngine(Engine):
         threads = n_threads or max(1, min(8, runtime_threads()))
         if "flash_attn" in kwargs:
             kwargs["flash_attn"] = bool(kwargs["flash_attn"])
+        if not verbose:
+            silence_llama_logs(llama_cpp)
         try:
             self._llm = llama_cpp.Llama(
                 model_path=self.model_path, n_ctx=n_ctx, n_batch=n_batch, n_threads=threads,
@@ -174,7 +218,7 @@ class LlamaCppEngine(Engine):
 
             hint = ("a quantized V cache needs flash attention (flash_attn=1)"
                     if kwargs.get("type_v") not in (None, 0, 1, 30) and not kwargs.get("flash_attn") else
-                    "check the options against the model")
+                    "check the options against the model (verbose=1 shows llama.cpp's log)")
             raise UsageError(f"--engine llama-cpp: llama.cpp refused {Path(self.model_path).name} with "
                              f"{kwargs or 'these settings'}: {err}", tip=hint) from None
         self.n_ctx = n_ctx
@@ -182,11 +226,12 @@ class LlamaCppEngine(Engine):
         self.vocab_size = int(self._llm.n_vocab())
         self.name = f"llama-cpp ({Path(self.model_path).name}{', GPU' if self.on_gpu else ''})"
         params = self._llm.context_params
+        self._node_kinds = node_kinds((self._llm.metadata or {}).get("general.architecture"))
         round_at = (gpu_rounding if self.on_gpu else rounding)(self.model_path, params)
         self.capabilities = Capabilities(
             tokenize=True, score=True, full_vocab=True, max_top_k=self.vocab_size, generate=True,
             batch=False, chunked_prefill=True,
-            layer_outputs=frozenset(NODE_KINDS.values()),
+            layer_outputs=frozenset(self._node_kinds.values()),
             activation_dtype=coarsest(activation_class(self.model_path), context_class(params)),
             max_sequence=n_ctx, rounding=round_at,
             # llama-cpp-python feeds a prompt in pieces of n_batch; llama.cpp splits each into
@@ -262,7 +307,8 @@ class LlamaCppEngine(Engine):
         lib = self._lib
         tokens = [int(t) for t in tokens]
         self._check_length(len(tokens))
-        wanted = {name for name, kind in NODE_KINDS.items() if kind in kinds}
+        node_kinds_ = self._node_kinds
+        wanted = {name for name, kind in node_kinds_.items() if kind in kinds}
         ggml = ctypes.CDLL(str(library_dir(lib) / "libggml-base.so"))
         ggml.ggml_get_name.restype = ctypes.c_char_p
         ggml.ggml_get_name.argtypes = [ctypes.c_void_p]
@@ -277,7 +323,7 @@ class LlamaCppEngine(Engine):
         def key_of(name: str) -> tuple[str, int] | None:
             base, _, layer = name.rpartition("-")
             if base in wanted and layer.isdigit():
-                return NODE_KINDS[base], int(layer)
+                return node_kinds_[base], int(layer)
             return None
 
         @lib.ggml_backend_sched_eval_callback

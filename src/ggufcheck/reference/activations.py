@@ -41,7 +41,7 @@ def real_activations(path, n_tokens: int = 128, seed: int = 0) -> tuple[dict[str
         w0 = ref.weights.layer(0)
         x0 = rms_norm(h, w0["attn_norm.weight"], cfg.rms_eps)  # layer-0 attention input [T, D]
         data["activations"] = x0
-        cos, sin = ref.rope(pos)
+        cos, sin = ref.rope(pos, 0)
         if cfg.is_mla:
             data.update(_mla_attention(cfg, w0, x0, cos, sin, mla_ops, apply_rope))
             kv = linear(x0, w0["attn_kv_a_mqa.weight"])  # [T, L+R]

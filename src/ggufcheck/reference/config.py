@@ -100,6 +100,15 @@ class ReferenceConfig:
     indexer_full: tuple[bool, ...] = ()  # per layer: True = full, False = shared
     indexer_norm_eps: float = 1e-6
     tied_output: bool = False
+    # gemma3 (docs/architectures.md sec 8)
+    swa_window: int = 0  # sliding-window layers see keys with q_pos - k_pos < window; 0: none
+    swa_layers: tuple[bool, ...] = ()  # per layer: True = sliding window
+    rope_base_swa: float = 0.0  # the sliding-window layers' rope base
+    rope_freq_scale: float = 1.0  # linear rope scaling (1 / rope.scaling.factor) of the global layers
+    embed_scale: float = 1.0  # token embeddings times this (gemma: sqrt(D))
+    attn_scale: float | None = None  # q.k scale when not 1/sqrt(hd)
+    final_softcap: float = 0.0  # logits = c * tanh(logits / c) when > 0
+    ffn_act: str = "silu"  # gated FFN activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, gemma)
     # how to compute, not what: MLA "naive" (expand k/v per head) or "absorbed" (attend in
     # the latent space, as engines do); they must agree (a test)
     mla_form: str = "naive"
@@ -114,11 +123,18 @@ class ReferenceConfig:
 
     @property
     def kq_scale(self) -> float:
-        """Softmax scale of q.k: 1/sqrt(head dim of q.k), times mscale^2 under YaRN."""
+        """Softmax scale of q.k: 1/sqrt(head dim of q.k), times mscale^2 under YaRN (or the
+        family's own, gemma3 27B)."""
+        if self.attn_scale is not None:
+            return self.attn_scale
         scale = 1.0 / math.sqrt(self.head_dim_k)
         if self.yarn is not None:
             scale *= self.yarn.mscale**2
         return scale
+
+    def is_swa_layer(self, i: int) -> bool:
+        """A sliding-window (local) layer: its own rope base, and the window when > 0."""
+        return i < len(self.swa_layers) and self.swa_layers[i]
 
     def is_moe_layer(self, i: int) -> bool:
         return self.n_expert > 0 and i >= self.n_dense_lead
@@ -138,9 +154,17 @@ def config_from_spec(spec: "ArchSpec", tensor_names: Iterable[str]) -> Reference
         yarn = YarnConfig(factor=rope.factor, original_context=int(rope.original_context),
                           beta_fast=rope.beta_fast, beta_slow=rope.beta_slow,
                           mscale_all_dim=rope.mscale_all_dim)
-    elif rope.scaling not in (None, "none"):
+    elif rope.scaling not in (None, "none", "linear"):
         raise Unavailable(f"rope scaling {rope.scaling!r} is not implemented by the reference")
     fields: dict[str, Any] = {}
+    if rope.scaling == "linear":  # positions / factor (llama.cpp freq_scale = 1 / factor)
+        fields["rope_freq_scale"] = 1.0 / rope.factor
+    if spec.swa is not None:
+        fields.update(swa_window=spec.swa.window, swa_layers=spec.swa.layers[:spec.n_layer],
+                      rope_base_swa=spec.swa.rope_base)
+    if ARCH_FAMILIES[spec.arch].gemma:
+        fields.update(embed_scale=spec.embed_scale, attn_scale=spec.attn_scale, final_softcap=spec.final_softcap,
+                      ffn_act="gelu_tanh")
     if spec.mla is not None:
         fields.update(q_lora_rank=spec.mla.q_lora_rank or 0, kv_lora_rank=spec.mla.kv_lora_rank,
                       qk_nope=spec.mla.qk_nope, qk_rope=spec.mla.qk_rope, v_head=spec.mla.v_head,

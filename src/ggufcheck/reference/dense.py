@@ -24,9 +24,10 @@ Weights = dict[str, Tensor]  # one layer's tensors by GGUF short name, e.g. "att
 
 def self_attention(
     cfg: ReferenceConfig, w: Weights, x: Tensor, rope: tuple[Tensor, Tensor],
-    q_pos: Tensor, k_pos: Tensor, cache: LayerCache,
+    q_pos: Tensor, k_pos: Tensor, cache: LayerCache, window: int = 0,
 ) -> Tensor:
-    """GQA self-attention of normed x [T, D] over the cache plus the new tokens -> [T, D]."""
+    """GQA self-attention of normed x [T, D] over the cache plus the new tokens -> [T, D]
+    (over the last ``window`` positions only, when > 0: a sliding-window layer)."""
     n_tok = x.shape[0]
     q = linear(x, w["attn_q.weight"], w.get("attn_q.bias"))  # [T, H*d]
     k = linear(x, w["attn_k.weight"], w.get("attn_k.bias"))  # [T, G*d]
@@ -42,7 +43,7 @@ def self_attention(
     k = apply_rope(k, cos, sin, cfg.rope_mode)
     k_all = cache.extend("k", k)  # [S, G, d]
     v_all = cache.extend("v", v)  # [S, G, dv]
-    o = attention(q, k_all, v_all, causal_mask(q_pos, k_pos), cfg.kq_scale)  # [T, H, dv]
+    o = attention(q, k_all, v_all, causal_mask(q_pos, k_pos, window), cfg.kq_scale)  # [T, H, dv]
     return linear(o.reshape(n_tok, cfg.n_head * cfg.head_dim_v), w["attn_output.weight"], w.get("attn_output.bias"))
 
 

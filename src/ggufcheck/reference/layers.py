@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ggufcheck.reference.config import ReferenceConfig, YarnConfig
 from ggufcheck.reference.precision import current as current_emulation
-from ggufcheck.reference.precision import round_as
+from ggufcheck.reference.precision import gelu_tanh, round_as
 
 # --- norms ---------------------------------------------------------------------------
 
@@ -92,9 +92,14 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, mode: str) -> Tensor:
 # --- attention -----------------------------------------------------------------------
 
 
-def causal_mask(q_pos: Tensor, k_pos: Tensor) -> Tensor:
-    """[T, S] bool, True where query t may see key s (k_pos[s] <= q_pos[t])."""
-    return k_pos[None, :] <= q_pos[:, None]
+def causal_mask(q_pos: Tensor, k_pos: Tensor, window: int = 0) -> Tensor:
+    """[T, S] bool, True where query t may see key s (k_pos[s] <= q_pos[t]); with a sliding
+    ``window`` > 0 only the keys with q_pos[t] - k_pos[s] < window (llama.cpp
+    LLAMA_SWA_TYPE_STANDARD, transformers' sliding_window mask)."""
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    if window > 0:
+        allowed = allowed & (q_pos[:, None] - k_pos[None, :] < window)
+    return allowed
 
 
 def attention(
@@ -130,6 +135,12 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 def swiglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
     """``down(silu(gate(x)) * up(x))``; gate/up [F, D], down [D, F]."""
     return linear(torch.nn.functional.silu(linear(x, gate)) * linear(x, up), down)
+
+
+def geglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
+    """``down(gelu_tanh(gate(x)) * up(x))`` (gemma's FFN: transformers gelu_pytorch_tanh,
+    llama.cpp LLM_FFN_GELU + LLM_FFN_PAR); gate/up [F, D], down [D, F]."""
+    return linear(gelu_tanh(linear(x, gate)) * linear(x, up), down)
 
 
 def _selection(x: Tensor, gate_inp: Tensor, bias: Tensor | None,
@@ -214,15 +225,19 @@ class FFNParts:
 
 
 def ffn_block(cfg: ReferenceConfig, w: dict[str, Tensor], x: Tensor, moe_layer: bool) -> FFNParts:
-    """The FFN of a layer on normed x [T, D]: SwiGLU, or routed experts plus the unweighted
-    shared expert. The families' forward_layer and the layers stage's replay both call this,
+    """The FFN of a layer on normed x [T, D]: SwiGLU (GeGLU and its post-norm for gemma),
+    or routed experts plus the unweighted shared expert. The families' forward_layer and the layers stage's replay both call this,
     so a replay computes exactly what the reference does.
 
     Stacked expert tensors as GGUF stores them: ``ffn_gate_exps`` / ``ffn_up_exps`` [E, F, D]
     (or fused ``ffn_gate_up_exps`` [E, 2F, D]: gate rows first), ``ffn_down_exps`` [E, D, F].
     """
     if not moe_layer:
-        return FFNParts(out=swiglu(x, w["ffn_gate.weight"], w["ffn_up.weight"], w["ffn_down.weight"]))
+        act = geglu if cfg.ffn_act == "gelu_tanh" else swiglu
+        out = act(x, w["ffn_gate.weight"], w["ffn_up.weight"], w["ffn_down.weight"])
+        if "post_ffw_norm.weight" in w:  # gemma: the block's output is normed before the residual add
+            out = rms_norm(out, w["post_ffw_norm.weight"], cfg.rms_eps)
+        return FFNParts(out=out)
     ids, weights = route(x, w["ffn_gate_inp.weight"], w.get("exp_probs_b.bias"), cfg)
     if "ffn_gate_up_exps.weight" in w:
         gate_up = w["ffn_gate_up_exps.weight"]  # [E, 2F, D]

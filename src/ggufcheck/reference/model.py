@@ -1,8 +1,8 @@
 """The reference model: what a GGUF file should compute, layer by layer.
 
 ``ReferenceModel`` ties the pieces together: the config (config.py), the file's
-dequantized weights (weights.py), one family module for the layers (dense.py, glm4moe.py,
-mla_moe.py) and the KV cache (cache.py). It offers
+dequantized weights (weights.py), one family module for the layers (dense.py, gemma3.py,
+glm4moe.py, mla_moe.py) and the KV cache (cache.py). It offers
 
 - :meth:`ReferenceModel.prefill`: a whole prompt at once, optionally recorded as a
   :class:`~ggufcheck.reference.trace.Trace`;
@@ -33,6 +33,7 @@ from ggufcheck.reference.precision import Emulation, emulating
 from ggufcheck.reference.weights import WeightStore
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+_ROPE_FIELDS = ("n_rot", "rope_base", "rope_base_swa", "rope_freq_scale", "yarn", "swa_window", "swa_layers")
 HEAD_CHUNK_ROWS = 16384  # output-head rows dequantized at a time
 
 
@@ -75,7 +76,11 @@ class ReferenceModel:
         self.family = importlib.import_module(f"ggufcheck.reference.{self.cfg.family}")
         freq_factors = self.weights.global_tensor("rope_freqs.weight") if self.cfg.has_rope_freqs else None
         self._fingerprint: dict[str, Any] | None = None
-        self.inv_freq = rope_inv_freq(self.cfg.n_rot, self.cfg.rope_base, self.cfg.yarn, freq_factors)
+        self.inv_freq = rope_inv_freq(self.cfg.n_rot, self.cfg.rope_base, self.cfg.yarn, freq_factors) \
+            * self.cfg.rope_freq_scale
+        # sliding-window layers (gemma3): their own base, no scaling (llama.cpp rope_freq_*_train_swa)
+        self.inv_freq_swa = (rope_inv_freq(self.cfg.n_rot, self.cfg.rope_base_swa) if any(self.cfg.swa_layers)
+                             else self.inv_freq)
 
     @property
     def path(self) -> Path:
@@ -92,15 +97,24 @@ class ReferenceModel:
 
     # -- pieces ----------------------------------------------------------------------
     def embed(self, tokens: list[int]) -> Tensor:
-        """Token embeddings [T, D] (the input of layer 0)."""
+        """Token embeddings [T, D] (the input of layer 0; times sqrt(D) for gemma)."""
         bad = [t for t in tokens if not 0 <= t < self.gguf.tensors["token_embd.weight"].shape[0]]
         if bad:
             raise UsageError(f"token ids out of range for this vocabulary: {bad[:5]}")
-        return self.weights.embed_rows(tokens)
+        rows = self.weights.embed_rows(tokens)
+        return rows * self.cfg.embed_scale if self.cfg.embed_scale != 1.0 else rows
 
-    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos, sin [T, n_rot/2] for these positions."""
-        return rope_cos_sin(positions, self.inv_freq, self.dtype)
+    def rope(self, positions: Tensor, layer: int | None = None,
+             cfg: ReferenceConfig | None = None) -> tuple[Tensor, Tensor]:
+        """cos, sin [T, n_rot/2] for these positions (at ``layer``: a sliding-window layer has
+        its own base); ``cfg``: another config's rope (a localization hypothesis)."""
+        swa = layer is not None and (cfg or self.cfg).is_swa_layer(layer)
+        if cfg is not None and any(getattr(cfg, f) != getattr(self.cfg, f) for f in _ROPE_FIELDS):
+            freq_factors = self.weights.global_tensor("rope_freqs.weight") if cfg.has_rope_freqs else None
+            inv = (rope_inv_freq(cfg.n_rot, cfg.rope_base_swa) if swa else
+                   rope_inv_freq(cfg.n_rot, cfg.rope_base, cfg.yarn, freq_factors) * cfg.rope_freq_scale)
+            return rope_cos_sin(positions, inv, self.dtype)
+        return rope_cos_sin(positions, self.inv_freq_swa if swa else self.inv_freq, self.dtype)
 
     @torch.no_grad()
     def run_layer(self, i: int, hidden_in: Tensor, positions: Tensor | list[int] | None = None,
@@ -130,7 +144,7 @@ class ReferenceModel:
                release: bool = True) -> LayerOutput:
         w = self.weights.layer(i)
         with emulating(self.emulation):
-            out = self.family.forward_layer(self.cfg, i, w, h, self.rope(q_pos), q_pos, k_pos, cache.layer(i), shared)
+            out = self.family.forward_layer(self.cfg, i, w, h, self.rope(q_pos, i), q_pos, k_pos, cache.layer(i), shared)
         del w
         if release:
             self.weights.release(i)
@@ -141,7 +155,9 @@ class ReferenceModel:
         x = rms_norm(hidden, self.weights.global_tensor("output_norm.weight"), self.cfg.rms_eps)
         with emulating(self.emulation):
             chunks = [linear(x, w) for _, w in self.weights.head_chunks(HEAD_CHUNK_ROWS)]  # [T, rows] each
-        return torch.cat(chunks, dim=-1)
+        logits = torch.cat(chunks, dim=-1)
+        cap = self.cfg.final_softcap
+        return cap * torch.tanh(logits / cap) if cap > 0 else logits
 
     # -- whole passes ----------------------------------------------------------------
     @torch.no_grad()

@@ -10,7 +10,9 @@ being judged, and its error against fp64 becomes that run's expected error:
 - ``q8``: llama.cpp on CPU quantizes the activations entering a matmul with a quantized
   weight to 8-bit blocks (Q8_0: 32 values per scale for Q4_0..Q8_0 weights; Q8_K: 256 for the
   K-quants), and keeps its KV cache in f16 (its default type_k / type_v);
-- ``bf16`` / ``fp16``: every matmul's input and output, and the KV cache, in that type.
+- ``bf16`` / ``fp16``: every matmul's input and output, and the KV cache, in that type;
+- ``gelu`` ``f16``: ggml's CPU GELU is a table over f16 inputs with f16 values
+  (``GGML_GELU_FP16`` in ggml-cpu/vec.h), whatever the weights: gemma's GeGLU rounds there.
 
 It is an emulation of the rounding's size, not of the engine's exact arithmetic, so the
 diagnosis only ever widens a stated allowance with it (checks.compare.combined_baseline),
@@ -40,11 +42,13 @@ class Emulation:
     activations: str | None = None  # a matmul's input
     outputs: str | None = None  # a matmul's result
     kv: str | None = None  # what the KV cache stores
+    gelu: str | None = None  # the GELU's input and value ("f16": ggml's CPU table)
 
     def describe(self) -> str:
         parts = [f"{what} {kind}" for what, kind in (("activations", self.activations),
                                                        ("matmul outputs", self.outputs),
-                                                       ("KV cache", self.kv)) if kind]
+                                                       ("KV cache", self.kv),
+                                                       ("GELU", self.gelu)) if kind]
         return ", ".join(parts) or "nothing"
 
 
@@ -66,6 +70,17 @@ def round_as(x: Tensor, kind: str | None) -> Tensor:
     if kind == "q8_0":  # ggml keeps the Q8_0 scale in f16
         safe = safe.to(torch.float16).to(x.dtype)
     return (q * safe).reshape(x.shape)
+
+
+def gelu_tanh(x: Tensor) -> Tensor:
+    """tanh GELU, rounded as an emulated engine's GELU is (ggml's CPU f16 table: input and
+    value in f16, exact outside |x| < 10 where it returns 0 or x)."""
+    emulation = current()
+    kind = emulation.gelu if emulation is not None else None
+    if kind is None:
+        return torch.nn.functional.gelu(x, approximate="tanh")
+    y = round_as(torch.nn.functional.gelu(round_as(x, kind), approximate="tanh"), kind)
+    return torch.where(x <= -10, torch.zeros_like(x), torch.where(x >= 10, x, y))
 
 
 _CURRENT: ContextVar[Emulation | None] = ContextVar("ggufcheck_emulation", default=None)

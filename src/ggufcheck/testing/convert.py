@@ -67,6 +67,14 @@ HF_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
         **_COMMON, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32)),
+    # Gemma 3 text: GQA 4/2, head_dim 32, q/k norms, sandwich norms, GeGLU, tied output;
+    # 6 layers = the default pattern's 5 sliding-window layers and 1 global; a window of 8
+    # so prompts cross it. query_pre_attn_scalar = head_dim, the q scale llama.cpp applies to
+    # every size but 27B (transformers' default 256 would be a different model).
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        vocab_size=VOCAB_SIZE, hidden_size=64, max_position_embeddings=512, tie_word_embeddings=True,
+        intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, query_pre_attn_scalar=32, sliding_window=8, rms_norm_eps=1e-6)),
     # GQA 4/2, head_dim 32 != hidden/heads (as GLM-4.5), attention bias, q/k norm,
     # partial rotary 0.5, layer 0 dense, no NextN layer.
     "glm4moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
@@ -181,7 +189,7 @@ def _download_sdist(root: Path, name: str) -> None:
 def build_hf_tiny(arch: str, out_dir: str | Path, seed: int = 0) -> Path:
     """Build a tiny random transformers model for ``arch`` and save it into ``out_dir``.
 
-    ``arch`` is a key of :data:`HF_CONFIGS` (llama, qwen2, qwen3, glm4moe, deepseek2,
+    ``arch`` is a key of :data:`HF_CONFIGS` (llama, qwen2, qwen3, gemma3, glm4moe, deepseek2,
     deepseek2-yarn, glm-dsa). Weights come from transformers' own initialization under
     ``torch.manual_seed(seed)``; then every 1-D parameter (norm weights, biases) is set to
     ``1 + 0.1 * randn`` and every router ``e_score_correction_bias`` to ``0.1 * randn``, so
@@ -212,8 +220,20 @@ def build_hf_tiny(arch: str, out_dir: str | Path, seed: int = 0) -> Path:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn_like(b))
+        if model_name.startswith("Gemma3"):
+            # Gemma's norms multiply by 1 + w and the converter stores fp32(1 + w): pick w so
+            # that 1 + w is exact in fp32 (x - 1 is exact for x in [0.5, 2]), so the file holds
+            # exactly the model's norm and fp64 comparisons are not limited by that rounding
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.copy_((1 + 0.1 * torch.randn_like(p)).float().clamp(0.5, 1.5) - 1)
     transformers.utils.logging.disable_progress_bar()
     model.save_pretrained(out, safe_serialization=True)
+    if model_name.startswith("Gemma3"):
+        # llama.cpp's Gemma3Model trims token_embd to the tokenizer's size, read from
+        # tokenizer.json when there is no tokenizer.model: state the whole vocabulary
+        vocab = {f"<t{i}>": i for i in range(config.vocab_size)}
+        (out / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}, "added_tokens": []}))
     return out
 
 

@@ -83,6 +83,7 @@ Weights = dict[str, Tensor]
 MLA_ARCHS = frozenset(archs(mla=True))
 MOE_ARCHS = frozenset(archs(moe=True))
 ALL_ARCHS = frozenset(archs())
+GEMMA_ARCHS = frozenset(archs(gemma=True))
 
 
 # ----------------------------------------------------------------------------- the patch
@@ -160,7 +161,7 @@ class FaultyReferenceModel(ReferenceModel):
     def _layer(self, i: int, h: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache, shared: dict,
                release: bool = True) -> LayerOutput:
         w = self.weights.layer(i)
-        return self.family.forward_layer(self.layer_cfg(i), i, w, h, self.rope(q_pos), q_pos, k_pos,
+        return self.family.forward_layer(self.layer_cfg(i), i, w, h, self.rope(q_pos, i), q_pos, k_pos,
                                          cache.layer(i), shared)
 
 
@@ -463,6 +464,14 @@ def _build_gating_swapped(cfg: ReferenceConfig, layer: int | None = None, **_: A
     return ModelPatch(config={"gating": "sigmoid" if cfg.gating == "softmax" else "softmax"})
 
 
+def _build_window_ignored(cfg: ReferenceConfig, layer: int | None = None, **_: Any) -> ModelPatch:
+    return ModelPatch(config={"swa_window": 0})
+
+
+def _build_swa_rope_base(cfg: ReferenceConfig, layer: int | None = None, **_: Any) -> ModelPatch:
+    return ModelPatch(config={"rope_base_swa": cfg.rope_base})
+
+
 def _patch_builders() -> dict[str, Callable[..., ModelPatch]]:
     return {
         "kv-b-all-k-then-v": _build_kv_b_tp, "kv-b-v-before-k": _build_v_then_k,
@@ -472,7 +481,8 @@ def _patch_builders() -> dict[str, Callable[..., ModelPatch]]:
         "attention-scale-wrong": _build_attention_scale, "indexer-ignored": _build_indexer_ignored,
         "kv-cache-corrupt-decode": _build_kv_cache, "qk-permutation-missing": _build_qk_perm_missing,
         "block-scale-corrupted": _build_block_scale, "allreduce-doubled": _build_allreduce_doubled,
-        "gating-swapped": _build_gating_swapped,
+        "gating-swapped": _build_gating_swapped, "sliding-window-ignored": _build_window_ignored,
+        "swa-rope-base-wrong": _build_swa_rope_base,
     }
 
 
@@ -482,7 +492,7 @@ _FIRST_LAYER: dict[str, Callable[[ReferenceConfig, int | None], int | None]] = {
     "rope-pairing-swapped": _zero, "norm-eps-wrong": _last, "attention-scale-wrong": _zero,
     "indexer-ignored": _zero, "kv-cache-corrupt-decode": _none, "flat-output": _none,
     "qk-permutation-missing": _zero, "block-scale-corrupted": _last, "allreduce-doubled": _last,
-    "gating-swapped": _first_moe,
+    "gating-swapped": _first_moe, "sliding-window-ignored": _zero, "swa-rope-base-wrong": _zero,
 }
 
 
@@ -534,6 +544,12 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _f("gating-swapped", "moe-router", MOE_ARCHS, "layers",
        "the router's gating function swapped (softmax <-> sigmoid; an absent expert_gating_func read "
        "another way than the model was trained)", layers_component="moe-router"),
+    _f("sliding-window-ignored", "attention", GEMMA_ARCHS, "layers",
+       "gemma3's sliding-window layers attend to every earlier position (the window ignored; shows once a "
+       "prompt is longer than the window)", layers_component="attention"),
+    _f("swa-rope-base-wrong", "rope", GEMMA_ARCHS, "layers",
+       "gemma3's sliding-window layers rotate with the global rope base (1e6) instead of their own (1e4)",
+       layers_component="rope"),
 )}
 
 

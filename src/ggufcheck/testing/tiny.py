@@ -31,9 +31,10 @@ from ggufcheck.arch.families import archs
 from ggufcheck.errors import GGUFCheckError
 from ggufcheck.testing import qblocks
 
-ARCHS = ("llama", "qwen2", "qwen3", "glm4moe", "deepseek2", "glm-dsa")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "glm4moe", "deepseek2", "glm-dsa")
 _MOE_ARCHS = archs(moe=True)  # arch/families.py
 _MLA_ARCHS = archs(mla=True)
+_GEMMA_ARCHS = archs(gemma=True)
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,8 @@ class TinyDims:
     indexer_types: tuple[bool, ...] | None = None  # per trunk layer: True full, False shared
     # NextN / MTP layers appended after the trunk (counted in block_count)
     n_nextn: int = 0
+    # gemma3: sliding-window attention (0 = key absent); llama.cpp's pattern: 5 local, 1 global
+    swa_window: int = 0
 
     @property
     def block_count(self) -> int:
@@ -117,6 +120,10 @@ DEFAULT_DIMS: dict[str, TinyDims] = {
     "llama": TinyDims("llama", n_layer=2, rms_eps=1e-6),
     "qwen2": TinyDims("qwen2", n_layer=2, rms_eps=1e-6, attn_bias=True),
     "qwen3": TinyDims("qwen3", n_layer=2, rms_eps=1e-6, head_dim=32, qk_norm=True),
+    # gemma3: 6 layers so that llama.cpp's default pattern has one global layer (5); a window
+    # of 8 so that every prompt crosses it; q/k norms, tied output, sandwich norms, GeGLU
+    "gemma3": TinyDims("gemma3", n_layer=6, rms_eps=1e-6, head_dim=32, qk_norm=True, tied_output=True,
+                       rope_base=1000000.0, swa_window=8),
     "glm4moe": TinyDims("glm4moe", n_layer=3, head_dim=32, n_rot=16, attn_bias=True,
                         qk_norm=True, **_MOE),
     "deepseek2": TinyDims("deepseek2", n_layer=3, rms_eps=1e-6, n_head_kv=1, n_group=2,
@@ -155,8 +162,12 @@ def tensor_shapes(d: TinyDims) -> dict[str, tuple[int, ...]]:
         if d.has_indexer(i):
             layer.update(_indexer(d))
         norm = "post_attention_norm.weight" if d.arch == "glm4moe" else "ffn_norm.weight"
+        if d.arch in _GEMMA_ARCHS:  # sandwich norms around both blocks
+            layer["post_attention_norm.weight"] = (D,)
         layer[norm] = (D,)
         layer.update(_moe_ffn(d) if d.is_moe_layer(i) else _dense_ffn(d))
+        if d.arch in _GEMMA_ARCHS:
+            layer["post_ffw_norm.weight"] = (D,)
         if i >= d.n_layer:  # NextN wiring around the extra block
             layer.update({"nextn.eh_proj.weight": (D, 2 * D), "nextn.enorm.weight": (D,),
                           "nextn.hnorm.weight": (D,), "nextn.shared_head_norm.weight": (D,)})
@@ -321,6 +332,8 @@ def metadata(d: TinyDims, file_type: int | None = None) -> dict[str, tuple[Any, 
             f"{a}.rope.scaling.yarn_beta_slow": (1.0, T.FLOAT32),
             f"{a}.rope.scaling.yarn_log_multiplier": (d.yarn_log_mul, T.FLOAT32),
         })
+    if d.swa_window:
+        kv[f"{a}.attention.sliding_window"] = (d.swa_window, T.UINT32)
     if a == "glm-dsa":
         types = d.indexer_types if d.indexer_types is not None else (True,) * d.n_layer
         kv.update({
@@ -553,7 +566,7 @@ def build_tiny_gguf(arch: str | TinyDims, path: str | Path, *,
                     qtypes: str | Q | dict[str, str | Q] = "F32", seed: int = 0,
                     patch: Patch | None = None, patch_encoded: Patch | None = None,
                     **dims: Any) -> TinyGGUF:
-    """Write a tiny random GGUF of ``arch`` (llama, qwen2, qwen3, glm4moe, deepseek2, glm-dsa).
+    """Write a tiny random GGUF of ``arch`` (llama, qwen2, qwen3, gemma3, glm4moe, deepseek2, glm-dsa).
 
     ``dims`` override :data:`DEFAULT_DIMS` fields (e.g. ``n_nextn=1``, ``yarn_factor=4.0``,
     ``indexer_types=(True, False, False)``, ``n_embd=256`` for K-quants); or pass a

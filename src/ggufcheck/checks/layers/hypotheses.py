@@ -42,6 +42,14 @@ def hypotheses_attention(cfg) -> list[tuple[str, str, dict | None, Callable | No
     if cfg.has_indexer:
         out.append(("indexer", "dense causal attention instead of the DSA top-k (indexer ignored)",
                     {"indexer_heads": 0}, None))
+    if cfg.swa_window:  # gemma3's local layers
+        out.append(("attention", f"global attention in the sliding-window layers (the window of {cfg.swa_window} "
+                                 "positions ignored)", {"swa_window": 0}, None))
+        if cfg.rope_base_swa != cfg.rope_base:
+            out.append(("rope", f"the sliding-window layers rotate with the global rope base {cfg.rope_base:g} "
+                                f"instead of their own {cfg.rope_base_swa:g}", {"rope_base_swa": cfg.rope_base}, None))
+            out.append(("rope", f"the global layers rotate with the sliding-window rope base {cfg.rope_base_swa:g} "
+                                f"instead of {cfg.rope_base:g}", {"rope_base": cfg.rope_base_swa}, None))
     return out
 
 

@@ -40,7 +40,8 @@ class Replayer:
         pos = torch.arange(h.shape[0], device=ref.device)
         shared = {} if shared_topk is None else {"topk": shared_topk.to(ref.device)}
         with torch.no_grad():
-            return ref.family.forward_layer(cfg, self.layer, w, h, ref.rope(pos), pos, pos, LayerCache(), shared)
+            return ref.family.forward_layer(cfg, self.layer, w, h, ref.rope(pos, self.layer, cfg), pos, pos,
+                                            LayerCache(), shared)
 
     def ffn(self, after_attn: Tensor, cfg=None, weights: Callable | None = None):
         ref = self.ref
