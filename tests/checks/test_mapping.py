@@ -19,7 +19,7 @@ from ggufcheck.gguf.reader import open_gguf
 from ggufcheck.results import Status
 from ggufcheck.testing import filefaults
 
-ARCHS = ["llama", "qwen2", "qwen3", "glm4moe", "deepseek2", "glm-dsa"]
+ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "glm4moe", "deepseek2", "glm-dsa"]
 
 
 def _results(path):
@@ -46,7 +46,7 @@ def test_smollm2_passes_with_tied_output(smollm2_path):
     assert tied and tied[0].status is Status.PASS and tied[0].tensor == "token_embd.weight"
 
 
-def test_gemma3_is_skipped_with_reason():
+def test_real_gemma3_maps_onto_its_table():
     from ggufcheck.errors import Unavailable
     from ggufcheck.testing.models import gemma3_path
 
@@ -55,8 +55,8 @@ def test_gemma3_is_skipped_with_reason():
     except Unavailable as err:
         pytest.skip(str(err))
     results = [r for r in _results(path) if r.component == "mapping"]
-    assert len(results) == 1 and results[0].status is Status.SKIP
-    assert "no tensor table for architecture 'gemma3'" in results[0].message
+    assert results and all(r.status is Status.PASS for r in results), [r.message for r in results]
+    assert any("all 236 tensors match the gemma3 table" in r.message for r in results)
 
 
 # Faults go into the small files of ggufcheck's own writer (vocab 512: fast to rewrite);
@@ -156,13 +156,13 @@ def test_metadata_findings_skip_the_mapping(tiny_gguf, tmp_path):
 
 
 def test_generic_spec_skips(tmp_path):
-    spec, _ = build_spec({"general.architecture": "gemma3"})
+    spec, _ = build_spec({"general.architecture": "phi3"})
 
     class Fake:
-        architecture = "gemma3"
+        architecture = "phi3"
 
     (r,) = check_mapping(Fake(), spec, table_for(spec))
-    assert r.status is Status.SKIP and "gemma3" in r.message
+    assert r.status is Status.SKIP and "phi3" in r.message
 
 
 # --- NextN: a checkpoint with an MTP layer, converted by llama.cpp ---------------------------

@@ -38,11 +38,11 @@ def test_smollm2_is_clean(smollm2_path, tmp_path):
     assert scan["seconds"] > 0 and scan["mb_per_s"] > 0
 
 
-def test_gemma3_without_table_is_skipped_not_passed(gemma3_path, tmp_path):
+def test_gemma3_file_maps_onto_its_table(gemma3_path, tmp_path):
     status, doc = _inspect(gemma3_path, tmp_path)
     assert status == 0
     checks, results = _by_check(doc)
-    assert checks["mapping.tensors"]["status"] == "SKIP" and "gemma3" in checks["mapping.tensors"]["message"]
+    assert checks["mapping.tensors"]["status"] == "PASS" and "gemma3 table" in checks["mapping.tensors"]["message"]
     assert sum(r["check"] == "health.values" and r["status"] == "PASS" for r in results) == 236
 
 

@@ -116,25 +116,23 @@ def test_no_engine_is_a_usage_error_and_bad_engines_fail_before_the_file_stage(t
 
 
 @pytest.mark.slow
-def test_an_architecture_without_a_reference_is_never_called_healthy(gemma3_path, capsys, tmp_path):
-    """Gemma 3 through llama.cpp: the file passes, the layers and logits stages say ggufcheck's
-    reference has no gemma3, and the engine-only checks (sanity, paths) still run. The old
-    verdict "healthy: 237 checks passed" is gone: with nothing else wrong it is "not verified"
-    (exit 5). On this file one prefill and chunks of 5 differ at one position (KL 0.66;
-    transformers in fp32 agrees with the one prefill there: a lead in docs/real-world-cases.md);
-    a single position under 10x the limit with no onset no longer fails the pair, so the
-    verdict is "not verified" (exit 1 would name the paths stage)."""
+def test_real_gemma3_through_llama_cpp_is_judged_by_every_stage_and_healthy(gemma3_path, capsys, tmp_path):
+    """Gemma 3 270M Q4_K_M through llama.cpp on CPU (issue 24): the layers, logits and paths
+    stages all run against the gemma3 reference (sliding-window layers, sandwich norms, GeGLU)
+    and a healthy engine passes. Before the gemma3 family the same command could only say
+    "not verified" (exit 5): nothing about the deployment was judged. Measured on the 2-core
+    CI machine: worst layer 12 at 0.094 of a 0.2 limit, mean KL 0.0032 (limit 0.015), the
+    prefill sweep to 513 tokens (past the 512-token window) within its limits."""
     report = tmp_path / "d.json"
     code = main(["diagnose", str(gemma3_path), "--engine", "llama-cpp", "--no-health", "--json", str(report)])
     out = capsys.readouterr().out
-    assert code in (ExitStatus.FINDINGS, ExitStatus.UNVERIFIED) and "verdict: healthy" not in out
+    assert code == ExitStatus.HEALTHY and "verdict: healthy" in out
     doc = json.loads(report.read_text())
     stages = {s["stage"]: s for s in doc["stages"]}
-    for name in ("layers", "logits"):
-        assert stages[name]["status"] == "SKIP" and "gemma3" in json.dumps(stages[name]), name
-    assert stages["paths"]["status"] in ("PASS", "FAIL")  # ran without a reference
-    if code == ExitStatus.UNVERIFIED:
-        assert "verdict: not verified" in out
+    for name in ("layers", "logits", "paths"):
+        assert stages[name]["status"] == "PASS", name
+    checks = {r["check"]: r for s in doc["stages"] for r in s["results"]}
+    assert "513" in checks["logits.prefill_lengths"]["message"]  # the sweep crossed the 512-token window
 
 
 def test_unverified_is_decided_only_when_engine_stages_ran_and_none_judged():

@@ -170,7 +170,7 @@ def run_transformers(hf_dir: Path, tokens: list[int]) -> HFRun:
         hooks = []
         for name, module in model.named_modules():
             cls = type(module).__name__
-            if cls.endswith("TopkRouter"):
+            if cls.lower().endswith("topkrouter"):  # DeepseekV3TopkRouter, Qwen3MoeTopKRouter
                 layer = int(name.split("layers.")[1].split(".")[0])
                 hooks.append(module.register_forward_hook(
                     lambda m, i, o, layer=layer: routers.__setitem__(layer, (o[2], o[1]))))

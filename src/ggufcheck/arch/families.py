@@ -13,7 +13,7 @@ dimensions, converter config and fault coverage.
 
 Facts: docs/architectures.md sec 2 (rope pairing), sec 3-6 and 8 (families); gating defaults are
 llama.cpp's (src/models/deepseek2.cpp: softmax, for old V2 files; glm4-moe.cpp and
-glm-dsa.cpp: sigmoid).
+glm-dsa.cpp: sigmoid; qwen3moe.cpp: softmax, weights always renormalized).
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ class Family:
     nextn: bool = False  # block_count includes nextn_predict_layers NextN / MTP layers
     gating: str | None = None  # MoE gating when expert_gating_func is absent
     gemma: bool = False  # Gemma 3 layer: sandwich norms, GELU FFN, scaled embeddings, sliding-window layers
+    weights_norm: bool | None = None  # MoE: the loader renormalizes the chosen weights whatever the file says
+    biased_router: bool = False  # MoE: DeepSeek-V3-style router, exp_probs_b selection bias and routed scaling
 
 
 FAMILIES: dict[str, Family] = {f.arch: f for f in (
@@ -41,12 +43,15 @@ FAMILIES: dict[str, Family] = {f.arch: f for f in (
     Family("qwen2", "dense", "dense:QWEN2", "qwen2", rope="neox"),
     Family("qwen3", "dense", "dense:QWEN3", "qwen3", rope="neox"),
     Family("gemma3", "gemma3", "gemma3:GEMMA3", "gemma3_text", rope="neox", gemma=True),
-    Family("glm4moe", "glm4moe", "glm4moe:GLM4MOE", "glm4_moe", rope="neox", moe=True, nextn=True,
-           gating="sigmoid"),
+    # llama.cpp qwen3moe.cpp: softmax routing with renormalized weights (norm_w = true) hard-coded
+    Family("qwen3moe", "gqa_moe", "glm4moe:QWEN3MOE", "qwen3_moe", rope="neox", moe=True, gating="softmax",
+           weights_norm=True),
+    Family("glm4moe", "gqa_moe", "glm4moe:GLM4MOE", "glm4_moe", rope="neox", moe=True, nextn=True,
+           gating="sigmoid", biased_router=True),
     Family("deepseek2", "mla_moe", "mla:DEEPSEEK2", "deepseek_v3", rope="norm", mla=True, moe=True, nextn=True,
-           gating="softmax"),
+           gating="softmax", biased_router=True),
     Family("glm-dsa", "mla_moe", "mla:GLM_DSA", "glm_moe_dsa", rope="norm", mla=True, moe=True, indexer=True,
-           nextn=True, gating="sigmoid"),
+           nextn=True, gating="sigmoid", biased_router=True),
 )}
 
 

@@ -377,7 +377,7 @@ def _build(keys: Keys, arch: str, tied: bool | None) -> ArchSpec | None:
 def _build_gqa(keys: Keys, arch: str, n_embd: int, n_block: int, n_nextn: int, n_head: int,
                n_head_kv: int, n_vocab: int, rms_eps: float, context: int | None,
                tied: bool | None) -> ArchSpec | None:
-    """llama, qwen2, qwen3, gemma3, glm4moe: grouped-query attention."""
+    """llama, qwen2, qwen3, gemma3, qwen3moe, glm4moe: grouped-query attention."""
     check(keys, n_head % n_head_kv == 0, "attention.head_count_kv",
            f"{n_head_kv} kv heads do not divide {n_head} query heads")
     if not keys.has("attention.key_length"):
@@ -536,11 +536,16 @@ def _mla(keys: Keys, arch: str, n_head_kv: int) -> MLA | None:
 def _moe(keys: Keys, arch: str, n_block: int) -> MoE | None:
     n_expert = keys.int("expert_count")
     n_used = keys.int("expert_used_count")
-    n_shared = keys.int("expert_shared_count", 0 if arch == "glm4moe" else REQUIRED, minimum=0)
+    # deepseek2 / glm-dsa files always say how many shared experts; glm4moe and qwen3moe may not (0)
+    n_shared = keys.int("expert_shared_count", REQUIRED if arch in MLA_ARCHS else 0, minimum=0)
     expert_ff = keys.int("expert_feed_forward_length")
     dense = keys.int("leading_dense_block_count", 0, minimum=0)
     code = keys.int("expert_gating_func", None, minimum=0)
-    norm = keys.bool("expert_weights_norm", False)
+    forced_norm = FAMILIES[arch].weights_norm
+    norm = keys.bool("expert_weights_norm", bool(forced_norm))
+    if forced_norm is not None and norm != forced_norm:
+        keys.notes.append(f"expert_weights_norm {norm} ignored: llama.cpp's {arch} loader always uses {forced_norm}")
+        norm = forced_norm
     scale = keys.float("expert_weights_scale", 0.0)
     n_group = keys.int("expert_group_count", 1)
     n_group_used = keys.int("expert_group_used_count", 1)

@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ggufcheck.engines.base import TokenLogprobs
+from ggufcheck.engines.base import TokenLogprobs, row_blocks
 from ggufcheck.results import Result, failed, passed, skipped
 
 PERCENTILES = (50.0, 90.0, 95.0, 99.0, 99.9)
@@ -149,11 +149,7 @@ def compare_tables(reference: TokenLogprobs, engine: TokenLogprobs) -> dict[str,
     ambiguous = np.zeros_like(shared) if reference.ambiguous is None else (reference.ambiguous & shared)
     rows = np.flatnonzero(shared & ~ambiguous)  # [N]: ambiguous rows are counted, not judged
     if reference.full and engine.full:
-        lr = reference.logprobs[rows].astype(np.float64)  # [N, V]
-        le = engine.logprobs[rows].astype(np.float64)
-        pr = np.exp(lr)
-        kl = (pr * (lr - le)).sum(axis=1)
-        nmse = ((le - lr) ** 2).mean(axis=1) / np.maximum(lr.var(axis=1), 1e-30)
+        kl, nmse = _full_kl_nmse(reference.logprobs, engine.logprobs, rows)
         full = True
     else:
         kl, nmse = _topk_tail_kl(reference, engine, rows)
@@ -166,6 +162,20 @@ def compare_tables(reference: TokenLogprobs, engine: TokenLogprobs) -> dict[str,
         "ref_argmax": reference.argmax()[rows], "eng_argmax": engine.argmax()[rows],
         "full_vocab": np.array(full), "ambiguous": np.array(int(ambiguous.sum())),
     }
+
+
+def _full_kl_nmse(ref: np.ndarray, eng: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """KL(ref || eng) and the NMSE of log-softmax at ``rows`` of two [T, V] tables, a block of
+    rows at a time (whole-table temporaries of a 262k vocabulary over 500 rows are GBs each)."""
+    kl = np.empty(len(rows))
+    nmse = np.empty(len(rows))
+    for part in row_blocks(len(rows), ref.shape[1]):
+        lr = ref[rows[part]].astype(np.float64)  # [n, V]
+        le = eng[rows[part]].astype(np.float64)
+        diff = lr - le
+        kl[part] = (np.exp(lr) * diff).sum(axis=1)
+        nmse[part] = (diff * diff).mean(axis=1) / np.maximum(lr.var(axis=1), 1e-30)
+    return kl, nmse
 
 
 def _topk_tail_kl(reference: TokenLogprobs, engine: TokenLogprobs, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

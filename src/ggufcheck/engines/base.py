@@ -166,13 +166,22 @@ class TokenLogprobs:
         return out
 
     def top_k(self, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """([T, k] ids, [T, k] log-probs) sorted by decreasing log-probability."""
+        """([T, k] ids, [T, k] log-probs) sorted by decreasing log-probability (a full table is
+        partitioned a block of rows at a time: a [T, V] index array of a 262k vocabulary over
+        500 rows would be 1 GB)."""
         if self.logprobs is not None:
             k = min(k, self.vocab_size)
-            ids = np.argpartition(-self.logprobs, k - 1, axis=1)[:, :k]  # [T, k] unsorted
-            vals = np.take_along_axis(self.logprobs, ids, axis=1)
-            order = np.argsort(-vals, axis=1, kind="stable")
-            return np.take_along_axis(ids, order, 1), np.take_along_axis(vals, order, 1).astype(np.float64)
+            ids_parts, val_parts = [], []
+            for rows in row_blocks(len(self.logprobs), self.logprobs.shape[1]):
+                block = self.logprobs[rows]
+                ids = np.argpartition(-block, k - 1, axis=1)[:, :k]  # [rows, k] unsorted
+                vals = np.take_along_axis(block, ids, axis=1)
+                order = np.argsort(-vals, axis=1, kind="stable")
+                ids_parts.append(np.take_along_axis(ids, order, 1))
+                val_parts.append(np.take_along_axis(vals, order, 1).astype(np.float64))
+            if not ids_parts:
+                return np.zeros((0, k), np.int64), np.zeros((0, k))
+            return np.concatenate(ids_parts), np.concatenate(val_parts)
         return self.topk_ids[:, :k], self.topk_logprobs[:, :k]
 
     def argmax(self) -> np.ndarray:
@@ -192,6 +201,16 @@ class TokenLogprobs:
             self.tokens, self.vocab_size, self.logprobs, self.topk_ids, self.topk_logprobs,
             np.where(present, self.next_logprob, np.nan), present, self.ambiguous,
         )
+
+
+BLOCK_VALUES = 1 << 23  # values per block of rows in full-vocabulary arithmetic (64 MB of float64)
+
+
+def row_blocks(n_rows: int, width: int):
+    """Slices of consecutive rows holding about BLOCK_VALUES values each (at least one row)."""
+    step = max(1, BLOCK_VALUES // max(int(width), 1))
+    for start in range(0, n_rows, step):
+        yield slice(start, min(n_rows, start + step))
 
 
 @dataclass(frozen=True)

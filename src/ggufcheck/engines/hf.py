@@ -6,7 +6,7 @@ ggufcheck's tensor table, the config from the architecture spec, and the modelin
 transformers' (an independent second implementation of the math). Per-layer outputs come
 from forward hooks on the decoder layers, attention and MLP modules.
 
-Config builders cover llama, qwen2, qwen3, gemma3 (gemma3_text), glm4moe (glm4_moe),
+Config builders cover llama, qwen2, qwen3, gemma3 (gemma3_text), qwen3moe (qwen3_moe), glm4moe (glm4_moe),
 deepseek2 (deepseek_v3, sigmoid router only) and glm-dsa (glm_moe_dsa); anything else
 raises Unsupported.
 """
@@ -95,6 +95,10 @@ def hf_config(spec: Any) -> dict[str, Any]:
                    moe_intermediate_size=moe.expert_ff, first_k_dense_replace=moe.leading_dense,
                    norm_topk_prob=moe.weights_norm, routed_scaling_factor=moe.weights_scale,
                    n_group=moe.n_group, topk_group=moe.n_group_used)
+    if spec.arch == "qwen3moe":  # Qwen3MoeConfig's own names; every layer sparse
+        moe = spec.moe
+        cfg.update(num_experts=moe.n_expert, num_experts_per_tok=moe.n_used, moe_intermediate_size=moe.expert_ff,
+                   norm_topk_prob=moe.weights_norm, decoder_sparse_step=1, mlp_only_layers=[])
     if spec.arch in ("deepseek2", "glm4moe", "glm-dsa"):
         cfg["num_nextn_predict_layers"] = 0
     if spec.arch == "glm4moe":
@@ -256,8 +260,11 @@ class HFEngine(GGUFVocabTokenizer, Engine):
                 token = int(np.argmax(row))
                 generated.append(token)
                 if step + 1 < max_new_tokens:
-                    out = self.module(input_ids=torch.tensor([[token]], device=self.device),
-                                      past_key_values=out.past_key_values, use_cache=True)
+                    # transformers >= 5.25 names the KV cache ``cache`` (``past_key_values`` before,
+                    # now a deprecated alias that logs a warning)
+                    cache = {"cache": out.cache} if "cache" in getattr(out, "__dataclass_fields__", {}) else \
+                        {"past_key_values": out.past_key_values}
+                    out = self.module(input_ids=torch.tensor([[token]], device=self.device), use_cache=True, **cache)
         present = np.zeros(n, dtype=bool)
         present[len(prompt) - 1:len(prompt) - 1 + max_new_tokens] = True
         return Generation(np.array(prompt), np.array(generated),

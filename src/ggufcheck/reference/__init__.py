@@ -10,7 +10,7 @@ rebuild); arithmetic is fp32 or fp64 on CPU or CUDA. Entry points::
     out = ref.run_layer(i, trace.layer_input(i), trace.positions)   # replay one layer
 
 Layout: config.py (frozen config from metadata) -> layers.py (primitives) -> mla.py /
-dsa.py (MLA, DSA indexer) -> dense.py / glm4moe.py / mla_moe.py (one family each) ->
+dsa.py (MLA, DSA indexer) -> dense.py / gemma3.py / gqa_moe.py / mla_moe.py (one family each) ->
 weights.py (dequantized weights, layer streaming) -> model.py (prefill, decode, replay)
 -> trace.py (golden states on disk).
 """

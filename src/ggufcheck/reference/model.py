@@ -2,7 +2,7 @@
 
 ``ReferenceModel`` ties the pieces together: the config (config.py), the file's
 dequantized weights (weights.py), one family module for the layers (dense.py, gemma3.py,
-glm4moe.py, mla_moe.py) and the KV cache (cache.py). It offers
+gqa_moe.py, mla_moe.py) and the KV cache (cache.py). It offers
 
 - :meth:`ReferenceModel.prefill`: a whole prompt at once, optionally recorded as a
   :class:`~ggufcheck.reference.trace.Trace`;

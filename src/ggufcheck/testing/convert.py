@@ -75,6 +75,12 @@ HF_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
         vocab_size=VOCAB_SIZE, hidden_size=64, max_position_embeddings=512, tie_word_embeddings=True,
         intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
         head_dim=32, query_pre_attn_scalar=32, sliding_window=8, rms_norm_eps=1e-6)),
+    # Qwen3 MoE: qwen3's attention (head_dim 32, q/k norms), every layer MoE with 8 experts,
+    # 2 used, softmax router with renormalized weights (what llama.cpp computes for qwen3moe).
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        **_COMMON, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1)),
     # GQA 4/2, head_dim 32 != hidden/heads (as GLM-4.5), attention bias, q/k norm,
     # partial rotary 0.5, layer 0 dense, no NextN layer.
     "glm4moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
@@ -189,7 +195,7 @@ def _download_sdist(root: Path, name: str) -> None:
 def build_hf_tiny(arch: str, out_dir: str | Path, seed: int = 0) -> Path:
     """Build a tiny random transformers model for ``arch`` and save it into ``out_dir``.
 
-    ``arch`` is a key of :data:`HF_CONFIGS` (llama, qwen2, qwen3, gemma3, glm4moe, deepseek2,
+    ``arch`` is a key of :data:`HF_CONFIGS` (llama, qwen2, qwen3, gemma3, qwen3moe, glm4moe, deepseek2,
     deepseek2-yarn, glm-dsa). Weights come from transformers' own initialization under
     ``torch.manual_seed(seed)``; then every 1-D parameter (norm weights, biases) is set to
     ``1 + 0.1 * randn`` and every router ``e_score_correction_bias`` to ``0.1 * randn``, so

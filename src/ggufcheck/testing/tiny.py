@@ -31,7 +31,7 @@ from ggufcheck.arch.families import archs
 from ggufcheck.errors import GGUFCheckError
 from ggufcheck.testing import qblocks
 
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "glm4moe", "deepseek2", "glm-dsa")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "glm4moe", "deepseek2", "glm-dsa")
 _MOE_ARCHS = archs(moe=True)  # arch/families.py
 _MLA_ARCHS = archs(mla=True)
 _GEMMA_ARCHS = archs(gemma=True)
@@ -124,6 +124,10 @@ DEFAULT_DIMS: dict[str, TinyDims] = {
     # of 8 so that every prompt crosses it; q/k norms, tied output, sandwich norms, GeGLU
     "gemma3": TinyDims("gemma3", n_layer=6, rms_eps=1e-6, head_dim=32, qk_norm=True, tied_output=True,
                        rope_base=1000000.0, swa_window=8),
+    # qwen3moe: every layer MoE, softmax router (no expert_gating_func: llama.cpp's default),
+    # no shared expert, no selection bias, q/k norms
+    "qwen3moe": TinyDims("qwen3moe", n_layer=2, rms_eps=1e-6, head_dim=32, qk_norm=True, n_expert=8,
+                         n_expert_used=2, n_ff_exp=32, gating_func=None, expert_weights_norm=False),
     "glm4moe": TinyDims("glm4moe", n_layer=3, head_dim=32, n_rot=16, attn_bias=True,
                         qk_norm=True, **_MOE),
     "deepseek2": TinyDims("deepseek2", n_layer=3, rms_eps=1e-6, n_head_kv=1, n_group=2,
@@ -230,7 +234,7 @@ def _dense_ffn(d: TinyDims) -> dict[str, tuple[int, ...]]:
 def _moe_ffn(d: TinyDims) -> dict[str, tuple[int, ...]]:
     D, E, Fe, Fs = d.n_embd, d.n_expert, d.n_ff_exp, d.n_ff_exp * d.n_expert_shared
     t: dict[str, tuple[int, ...]] = {
-        "ffn_gate_inp.weight": (E, D), "exp_probs_b.bias": (E,),
+        "ffn_gate_inp.weight": (E, D), **({} if d.arch == "qwen3moe" else {"exp_probs_b.bias": (E,)}),
         "ffn_gate_exps.weight": (E, Fe, D), "ffn_up_exps.weight": (E, Fe, D),
         "ffn_down_exps.weight": (E, D, Fe),
     }
@@ -566,7 +570,7 @@ def build_tiny_gguf(arch: str | TinyDims, path: str | Path, *,
                     qtypes: str | Q | dict[str, str | Q] = "F32", seed: int = 0,
                     patch: Patch | None = None, patch_encoded: Patch | None = None,
                     **dims: Any) -> TinyGGUF:
-    """Write a tiny random GGUF of ``arch`` (llama, qwen2, qwen3, gemma3, glm4moe, deepseek2, glm-dsa).
+    """Write a tiny random GGUF of ``arch`` (llama, qwen2, qwen3, gemma3, qwen3moe, glm4moe, deepseek2, glm-dsa).
 
     ``dims`` override :data:`DEFAULT_DIMS` fields (e.g. ``n_nextn=1``, ``yarn_factor=4.0``,
     ``indexer_types=(True, False, False)``, ``n_embd=256`` for K-quants); or pass a

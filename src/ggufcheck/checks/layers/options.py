@@ -38,6 +38,9 @@ class LayerOptions:
     allowances: dict[str, float] = field(default_factory=lambda: {"bf16": 1e-1, "fp16": 1.5e-2, "q8": 2e-1})
     residual_allowances: dict[str, float] = field(default_factory=lambda: {"bf16": 3e-1, "fp16": 4e-2,
                                                                            "q8": 1.5e-1})
+    # with another engine as the reference (checks/layers/versus.py): two fp32 implementations,
+    # each rounding its own way over a model's depth, where no replay gives a baseline
+    fp32_versus_allowance: float = 1e-4
     # DSA top-k boundaries closer than this (relative gap, reference.dsa.boundary_gap) may flip
     # in a correct engine of that class: those positions are left out like exact ties.
     indexer_tie_margins: dict[str, float] = field(default_factory=lambda: dict(INDEXER_TIE_MARGINS))

@@ -287,11 +287,18 @@ def run(session: "Session") -> list[StageReport]:
         report = StageReport(STAGE)
         report.add(skipped(STAGE, "output", engine.capabilities.why_not("layer_outputs")))
         return [report]
-    reference = getattr(session.reference(), "model", None)
+    trusted = session.reference()
+    reference = getattr(trusted, "model", None)
     if reference is None:
+        if trusted is not None and trusted.capabilities.layer_outputs:
+            from ggufcheck.checks.layers.versus import run_layers_vs_engine
+
+            session.say(f"comparing every layer with {trusted.name}")
+            return [run_layers_vs_engine(engine, trusted, session.tokens(), progress=session.say)]
         report = StageReport(STAGE)
-        report.add(skipped(STAGE, "output", f"the layers stage replays ggufcheck's reference model; --reference "
-                                            f"{session.options.reference} compares the served output only"))
+        why = (trusted.capabilities.why_not("layer_outputs") if trusted is not None else "no reference")
+        report.add(skipped(STAGE, "output", f"the layers stage needs per-layer outputs from the reference; "
+                                            f"--reference {session.options.reference}: {why}"))
         return [report]
     baseline = session.baseline_model()  # loaded first: the label follows the work
     session.say("comparing every layer with the reference")

@@ -1,9 +1,12 @@
-"""glm4moe (GLM-4.5 / 4.6 / 4.7) decoder layers (docs/architectures.md sec 4).
+"""GQA + MoE decoder layers: glm4moe (GLM-4.5 / 4.6 / 4.7, docs/architectures.md sec 4) and
+qwen3moe (Qwen3-30B-A3B / 235B-A22B, sec 6).
 
 GQA attention (the dense family's block: optional q/k/v biases, optional per-head q/k
 RMSNorm before rope) with NEOX rope on the first ``rope.dimension_count`` dims of each head
-(partial rotary), then a dense SwiGLU below ``leading_dense_block_count`` and the sigmoid
-router + routed experts + shared expert above. The pre-FFN norm is ``post_attention_norm``.
+(partial rotary for glm4moe), then a dense SwiGLU below ``leading_dense_block_count`` and the
+router + routed experts (+ shared expert) above: glm4moe's sigmoid router with a selection
+bias, qwen3moe's softmax router whose chosen weights llama.cpp always renormalizes. The
+pre-FFN norm is ``post_attention_norm`` in glm4moe files, ``ffn_norm`` in qwen3moe files.
 NextN layers (counted in block_count) are not run: the config excludes them.
 """
 
@@ -21,10 +24,11 @@ def forward_layer(
     cfg: ReferenceConfig, i: int, w: Weights, h: Tensor, rope: tuple[Tensor, Tensor],
     q_pos: Tensor, k_pos: Tensor, cache: LayerCache, shared: dict,
 ) -> LayerOutput:
-    """One glm4moe decoder layer on the residual stream h [T, D]."""
+    """One glm4moe / qwen3moe decoder layer on the residual stream h [T, D]."""
     attn_out = self_attention(cfg, w, rms_norm(h, w["attn_norm.weight"], cfg.rms_eps), rope, q_pos, k_pos, cache)
     after_attn = h + attn_out
-    x = rms_norm(after_attn, w["post_attention_norm.weight"], cfg.rms_eps)
+    norm = w["ffn_norm.weight"] if "ffn_norm.weight" in w else w["post_attention_norm.weight"]
+    x = rms_norm(after_attn, norm, cfg.rms_eps)
     ffn = ffn_block(cfg, w, x, cfg.is_moe_layer(i))
     ffn_out, ids, weights, gap_r = ffn.out, ffn.ids, ffn.weights, ffn.gap
     return LayerOutput(hidden=after_attn + ffn_out, after_attn=after_attn, attn_out=attn_out, ffn_out=ffn_out,
