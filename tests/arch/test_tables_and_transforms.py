@@ -41,6 +41,9 @@ ROLE_SHAPES = {  # GGUF inputs of each transform, for the small spec (H 4, hd 6 
     "fuse_gate_up": {"gate": (3, 6, 12), "up": (3, 6, 12)},
     "split_fused_gate_up": {"w": (3, 12, 12)},
     "gemma_norm": {"w": (64,)},
+    "oai_gate_up": {"gate": (3, 6, 12), "up": (3, 6, 12)},
+    "oai_gate_up_bias": {"gate": (3, 6), "up": (3, 6)},
+    "transpose_experts": {"w": (3, 12, 6)},
 }
 HF_NAME = {"unstack_experts": "x.{e}.w", "split_fused_gate_up": "x.{e}.{proj}.w"}
 
@@ -200,7 +203,8 @@ def test_eval_dim():
         eval_dim("Q", dims)
     with pytest.raises(ValueError):
         eval_dim("__import__('os')", dims)
-    assert set(TABLES) == {"llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "glm4moe", "deepseek2", "glm-dsa"}
+    assert set(TABLES) == {"llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss", "glm4moe", "deepseek2",
+                           "glm-dsa"}
 
 
 def test_legacy_and_lite_deepseek2_layouts():

@@ -20,7 +20,7 @@ T, HQ, HK, R, BASE = 12, 4, 1, 16, 10000.0
 def _reference(yarn=None):
     inv = rope_inv_freq(R, BASE)
     return SimpleNamespace(device="cpu", cfg=SimpleNamespace(yarn=yarn),
-                           rope=lambda pos: rope_cos_sin(pos, inv, torch.float64))
+                           rope=lambda pos, layer=None: rope_cos_sin(pos, inv, torch.float64))
 
 
 def _rotate(x: np.ndarray, positions, pairing: str, base: float = BASE, magnitude: float = 1.0) -> np.ndarray:

@@ -32,6 +32,7 @@ CASES = {  # arch -> reference options that state transformers' conventions
     "qwen3": {},
     "gemma3": {},
     "qwen3moe": {},
+    "gpt-oss": {},
     "glm4moe": {},
     "deepseek2": {},
     "deepseek2-yarn": {},
@@ -57,7 +58,7 @@ def test_hidden_states_and_logits_match_transformers(arch, tiny, hf_run, prompt)
     assert (trace.logprobs - hf.logprobs).abs().max() < 1e-8
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "glm4moe", "deepseek2", "glm-dsa-shared"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss", "glm4moe", "deepseek2", "glm-dsa-shared"])
 def test_router_choices_match_transformers(arch, tiny, hf_run, prompt):
     model = tiny(arch)
     tokens = prompt(20)

@@ -36,13 +36,23 @@ class Family:
     gemma: bool = False  # Gemma 3 layer: sandwich norms, GELU FFN, scaled embeddings, sliding-window layers
     weights_norm: bool | None = None  # MoE: the loader renormalizes the chosen weights whatever the file says
     biased_router: bool = False  # MoE: DeepSeek-V3-style router, exp_probs_b selection bias and routed scaling
+    ffn_act: str = "silu"  # the gated FFN / experts' activation: silu, gelu_tanh (gemma), swiglu_oai (gpt-oss)
+    # sliding-window layers: llama.cpp's default pattern n (layer i local when i % n < n - 1), and
+    # whether they rotate like the global layers (gpt-oss) or with their own unscaled base (gemma3)
+    swa_pattern: int = 0
+    swa_same_rope: bool = False
 
 
 FAMILIES: dict[str, Family] = {f.arch: f for f in (
     Family("llama", "dense", "dense:LLAMA", "llama", rope="norm"),  # on q/k rows the converter permuted
     Family("qwen2", "dense", "dense:QWEN2", "qwen2", rope="neox"),
     Family("qwen3", "dense", "dense:QWEN3", "qwen3", rope="neox"),
-    Family("gemma3", "gemma3", "gemma3:GEMMA3", "gemma3_text", rope="neox", gemma=True),
+    Family("gemma3", "gemma3", "gemma3:GEMMA3", "gemma3_text", rope="neox", gemma=True, ffn_act="gelu_tanh",
+           swa_pattern=6),
+    # llama.cpp openai-moe.cpp: softmax over the chosen logits (= renormalized softmax), the
+    # clamped SwiGLU, even layers sliding-window with the global (YaRN) rope
+    Family("gpt-oss", "gqa_moe", "gpt_oss:GPT_OSS", "gpt_oss", rope="neox", moe=True, gating="softmax",
+           weights_norm=True, ffn_act="swiglu_oai", swa_pattern=2, swa_same_rope=True),
     # llama.cpp qwen3moe.cpp: softmax routing with renormalized weights (norm_w = true) hard-coded
     Family("qwen3moe", "gqa_moe", "glm4moe:QWEN3MOE", "qwen3_moe", rope="neox", moe=True, gating="softmax",
            weights_norm=True),

@@ -121,7 +121,8 @@ class SlidingWindow:
 
     window: int
     layers: tuple[bool, ...]  # per run layer: True = sliding window, False = global
-    rope_base: float  # llama.cpp rope_freq_base_train_swa (rope.freq_base_swa; default 10000)
+    rope_base: float  # llama.cpp rope_freq_base_train_swa (rope.freq_base_swa; gemma3 default 10000)
+    same_rope: bool = False  # the local layers rotate exactly as the global ones (gpt-oss: YaRN too)
 
     def is_swa(self, layer: int) -> bool:
         return layer < len(self.layers) and self.layers[layer]
@@ -377,7 +378,7 @@ def _build(keys: Keys, arch: str, tied: bool | None) -> ArchSpec | None:
 def _build_gqa(keys: Keys, arch: str, n_embd: int, n_block: int, n_nextn: int, n_head: int,
                n_head_kv: int, n_vocab: int, rms_eps: float, context: int | None,
                tied: bool | None) -> ArchSpec | None:
-    """llama, qwen2, qwen3, gemma3, qwen3moe, glm4moe: grouped-query attention."""
+    """llama, qwen2, qwen3, gemma3, qwen3moe, gpt-oss, glm4moe: grouped-query attention."""
     check(keys, n_head % n_head_kv == 0, "attention.head_count_kv",
            f"{n_head_kv} kv heads do not divide {n_head} query heads")
     if not keys.has("attention.key_length"):
@@ -395,13 +396,36 @@ def _build_gqa(keys: Keys, arch: str, n_embd: int, n_block: int, n_nextn: int, n
         return None
     check(keys, moe is None or moe.leading_dense == 0 or n_ff > 0, "feed_forward_length",
            "missing or 0, but leading dense layers need it")
-    gemma = _gemma(keys, n_block, n_embd, n_head, head_k) if FAMILIES[arch].gemma else {}
+    fam = FAMILIES[arch]
+    gemma = _gemma(keys, n_block, n_embd, n_head, head_k) if fam.gemma else {}
     if gemma is None:
         return None
+    if fam.swa_same_rope:  # gpt-oss: the window is required, the local layers rotate as the global ones
+        window = keys.int("attention.sliding_window")
+        layers = _swa_layers(keys, n_block, fam.swa_pattern)
+        if window is None or layers is None:
+            return None
+        gemma = dict(swa=SlidingWindow(window=window, layers=layers, rope_base=rope.base, same_rope=True))
     return ArchSpec(arch=arch, n_embd=n_embd, n_block=n_block, n_nextn=n_nextn,
                     n_vocab=n_vocab, n_head=n_head, n_head_kv=n_head_kv, head_dim_k=head_k,
                     head_dim_v=head_v, n_ff=n_ff, rms_eps=rms_eps, context_length=context,
                     rope=rope, moe=moe, tied_output=tied, notes=tuple(keys.notes), **gemma)
+
+
+def _swa_layers(keys: Keys, n_block: int, default_pattern: int) -> tuple[bool, ...] | None:
+    """Which layers are sliding-window (llama.cpp load_swa_pattern): the per-layer array
+    ``attention.sliding_window_pattern``, or every layer i with ``i % n < n - 1`` for the
+    pattern n (the key's, else the architecture's default)."""
+    if isinstance(keys.metadata.get(keys.key("attention.sliding_window_pattern")), (list, tuple)):
+        layers = keys.bool_list("attention.sliding_window_pattern")
+        if layers is None or not check(keys, len(layers) >= n_block, "attention.sliding_window_pattern",
+                                       f"{len(layers)} entries for {n_block} layers"):
+            return None
+        return tuple(layers[:n_block])
+    n = keys.int("attention.sliding_window_pattern", default_pattern, minimum=0)
+    if n is None:
+        return None
+    return tuple(n == 0 or i % n < n - 1 for i in range(n_block))
 
 
 GEMMA3_SWA_PATTERN = 6  # llama.cpp gemma3.cpp load_swa_pattern(ml, 6): five local layers, one global
@@ -419,17 +443,10 @@ def _gemma(keys: Keys, n_block: int, n_embd: int, n_head: int, head_dim: int) ->
         return None
     swa = None
     if window > 0:
-        layers = keys.bool_list("attention.sliding_window_pattern") \
-            if isinstance(keys.metadata.get(keys.key("attention.sliding_window_pattern")), (list, tuple)) else None
+        layers = _swa_layers(keys, n_block, GEMMA3_SWA_PATTERN)
         if layers is None:
-            n = keys.int("attention.sliding_window_pattern", GEMMA3_SWA_PATTERN, minimum=0)
-            if n is None:
-                return None
-            layers = tuple(n == 0 or i % n < n - 1 for i in range(n_block))
-        elif not check(keys, len(layers) >= n_block, "attention.sliding_window_pattern",
-                       f"{len(layers)} entries for {n_block} layers"):
             return None
-        swa = SlidingWindow(window=window, layers=tuple(layers[:n_block]), rope_base=base_swa)
+        swa = SlidingWindow(window=window, layers=layers, rope_base=base_swa)
     else:
         keys.notes.append("no attention.sliding_window: every layer attends globally")
     scale = 1.0 / math.sqrt(head_dim)
@@ -489,11 +506,15 @@ def _rope(keys: Keys, arch: str, head_dim: int, n_rot_default: int) -> Rope | No
     beta_slow = keys.float("rope.scaling.yarn_beta_slow", 1.0)
     if None in (factor, log_mul, beta_fast, beta_slow) or not ok:
         return None
-    if scaling == "yarn" and arch != "deepseek2":
-        keys.notes.append(f"YaRN on {arch}: only deepseek2's YaRN semantics are modeled")
     # deepseek2's converter stores 0.1 * mscale_all_dim (TAG_DEEPSEEK2_YARN_LOG_MUL_FIX);
     # llama.cpp divides by 0.1f in float32, which gives back e.g. exactly 1.0
     mscale_all_dim = float(np.float32(log_mul) / np.float32(0.1))
+    if scaling == "yarn" and arch not in MLA_ARCHS and log_mul == 0.0:
+        # llama.cpp (llama-context.cpp) cancels its attn factor and ggml's rope_yarn scales cos
+        # and sin by 1 + 0.1 ln F: q.k grows by that squared, as transformers' default YaRN
+        # attention_factor does (gpt-oss)
+        mscale_all_dim = 1.0
+        keys.notes.append("YaRN magnitude 1 + 0.1 ln F on cos / sin (ggml rope_yarn)")
     return Rope(base, n_rot, PAIRING[arch], head_dim, scaling=scaling, factor=factor,
                 original_context=original, beta_fast=beta_fast, beta_slow=beta_slow,
                 mscale_all_dim=mscale_all_dim)

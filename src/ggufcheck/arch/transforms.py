@@ -164,6 +164,36 @@ def _gemma_norm_to_gguf(h: Tensors, spec: "ArchSpec", hf: str) -> dict[str, torc
     return {"w": h[hf] + 1}
 
 
+def _interleave(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[..., n] and [..., n] -> [..., 2n] with a at the even and b at the odd positions."""
+    return torch.stack((a, b), dim=-1).flatten(-2)
+
+
+def _oai_gate_up_to_hf(g: Tensors, spec: "ArchSpec", hf: str) -> dict[str, torch.Tensor]:
+    return {hf: _interleave(g["gate"].transpose(1, 2), g["up"].transpose(1, 2))}  # [E, D, 2Fe]
+
+
+def _oai_gate_up_to_gguf(h: Tensors, spec: "ArchSpec", hf: str) -> dict[str, torch.Tensor]:
+    w = h[hf]
+    return {"gate": w[..., 0::2].transpose(1, 2).contiguous(), "up": w[..., 1::2].transpose(1, 2).contiguous()}
+
+
+def _oai_bias_to_hf(g: Tensors, spec: "ArchSpec", hf: str) -> dict[str, torch.Tensor]:
+    return {hf: _interleave(g["gate"], g["up"])}  # [E, 2Fe]
+
+
+def _oai_bias_to_gguf(h: Tensors, spec: "ArchSpec", hf: str) -> dict[str, torch.Tensor]:
+    return {"gate": h[hf][..., 0::2].contiguous(), "up": h[hf][..., 1::2].contiguous()}
+
+
+def _transpose_to_hf(g: Tensors, spec: "ArchSpec", hf: str) -> dict[str, torch.Tensor]:
+    return {hf: g["w"].transpose(1, 2).contiguous()}
+
+
+def _transpose_to_gguf(h: Tensors, spec: "ArchSpec", hf: str) -> dict[str, torch.Tensor]:
+    return {"w": h[hf].transpose(1, 2).contiguous()}
+
+
 _Q = _permute(lambda s: s.n_head)
 _K = _permute(lambda s: s.n_head_kv)
 
@@ -174,6 +204,13 @@ TRANSFORMS: dict[str, Transform] = {t.name: t for t in (
     Transform("gemma_norm", ("w",), _gemma_norm_to_hf, _gemma_norm_to_gguf,
               "GGUF 1 + w <-> HF w (Gemma's RMSNorm multiplies by 1 + weight; conversion/gemma.py "
               "norm_shift); exact for stored values >= 0.5"),
+    Transform("oai_gate_up", ("gate", "up"), _oai_gate_up_to_hf, _oai_gate_up_to_gguf,
+              "gpt-oss: ffn_gate_exps + ffn_up_exps [E, Fe, D] <-> experts.gate_up_proj [E, D, 2Fe], gate at "
+              "the even and up at the odd columns (conversion/gpt_oss.py [:, ::2] / [:, 1::2])"),
+    Transform("oai_gate_up_bias", ("gate", "up"), _oai_bias_to_hf, _oai_bias_to_gguf,
+              "gpt-oss: ffn_gate_exps.bias + ffn_up_exps.bias [E, Fe] <-> gate_up_proj_bias [E, 2Fe], interleaved"),
+    Transform("transpose_experts", ("w",), _transpose_to_hf, _transpose_to_gguf,
+              "stacked [E, out, in] <-> [E, in, out] (gpt-oss's experts.down_proj)"),
     Transform("kv_b", ("k_b", "v_b"), _kv_b_to_hf, _kv_b_to_gguf,
               "kv_b_proj [H*(P+V), L] from attn_k_b [H, L, P] and attn_v_b [H, V, L]"),
     Transform("unstack_experts", ("w",), _unstack_to_hf, _stack_to_gguf,

@@ -6,7 +6,8 @@ ggufcheck's tensor table, the config from the architecture spec, and the modelin
 transformers' (an independent second implementation of the math). Per-layer outputs come
 from forward hooks on the decoder layers, attention and MLP modules.
 
-Config builders cover llama, qwen2, qwen3, gemma3 (gemma3_text), qwen3moe (qwen3_moe), glm4moe (glm4_moe),
+Config builders cover llama, qwen2, qwen3, gemma3 (gemma3_text), qwen3moe (qwen3_moe), gpt-oss
+(gpt_oss), glm4moe (glm4_moe),
 deepseek2 (deepseek_v3, sigmoid router only) and glm-dsa (glm_moe_dsa); anything else
 raises Unsupported.
 """
@@ -43,8 +44,9 @@ def _rope_parameters(spec: Any) -> dict[str, Any]:
         params["partial_rotary_factor"] = rope.n_rot / rope.head_dim
     if rope.yarn:
         params.update(rope_type="yarn", factor=rope.factor, original_max_position_embeddings=rope.original_context,
-                      beta_fast=rope.beta_fast, beta_slow=rope.beta_slow, mscale=1.0,
-                      mscale_all_dim=rope.mscale_all_dim)
+                      beta_fast=rope.beta_fast, beta_slow=rope.beta_slow)
+        if spec.mla is not None:  # DeepSeek's mscale / mscale_all_dim; the others: transformers' default
+            params.update(mscale=1.0, mscale_all_dim=rope.mscale_all_dim)  # attention factor 1 + 0.1 ln F
     elif rope.scaling == "linear":
         params.update(rope_type="linear", factor=rope.factor)
     elif rope.scaling not in (None, "none"):
@@ -95,6 +97,12 @@ def hf_config(spec: Any) -> dict[str, Any]:
                    moe_intermediate_size=moe.expert_ff, first_k_dense_replace=moe.leading_dense,
                    norm_topk_prob=moe.weights_norm, routed_scaling_factor=moe.weights_scale,
                    n_group=moe.n_group, topk_group=moe.n_group_used)
+    if spec.arch == "gpt-oss":  # GptOssConfig's own names
+        moe, swa = spec.moe, spec.swa
+        cfg.update(num_local_experts=moe.n_expert, num_experts_per_tok=moe.n_used, intermediate_size=moe.expert_ff,
+                   attention_bias=True, sliding_window=swa.window if swa is not None else None,
+                   layer_types=["sliding_attention" if swa is not None and swa.is_swa(i) else "full_attention"
+                                for i in range(spec.n_layer)])
     if spec.arch == "qwen3moe":  # Qwen3MoeConfig's own names; every layer sparse
         moe = spec.moe
         cfg.update(num_experts=moe.n_expert, num_experts_per_tok=moe.n_used, moe_intermediate_size=moe.expert_ff,

@@ -104,11 +104,12 @@ class ReferenceConfig:
     swa_window: int = 0  # sliding-window layers see keys with q_pos - k_pos < window; 0: none
     swa_layers: tuple[bool, ...] = ()  # per layer: True = sliding window
     rope_base_swa: float = 0.0  # the sliding-window layers' rope base
+    swa_same_rope: bool = False  # the sliding-window layers rotate exactly as the global ones (gpt-oss)
     rope_freq_scale: float = 1.0  # linear rope scaling (1 / rope.scaling.factor) of the global layers
     embed_scale: float = 1.0  # token embeddings times this (gemma: sqrt(D))
     attn_scale: float | None = None  # q.k scale when not 1/sqrt(hd)
     final_softcap: float = 0.0  # logits = c * tanh(logits / c) when > 0
-    ffn_act: str = "silu"  # gated FFN activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, gemma)
+    ffn_act: str = "silu"  # gated FFN / experts: "silu" (SwiGLU), "gelu_tanh" (GeGLU, gemma), "swiglu_oai" (gpt-oss)
     # how to compute, not what: MLA "naive" (expand k/v per head) or "absorbed" (attend in
     # the latent space, as engines do); they must agree (a test)
     mla_form: str = "naive"
@@ -161,10 +162,11 @@ def config_from_spec(spec: "ArchSpec", tensor_names: Iterable[str]) -> Reference
         fields["rope_freq_scale"] = 1.0 / rope.factor
     if spec.swa is not None:
         fields.update(swa_window=spec.swa.window, swa_layers=spec.swa.layers[:spec.n_layer],
-                      rope_base_swa=spec.swa.rope_base)
-    if ARCH_FAMILIES[spec.arch].gemma:
-        fields.update(embed_scale=spec.embed_scale, attn_scale=spec.attn_scale, final_softcap=spec.final_softcap,
-                      ffn_act="gelu_tanh")
+                      rope_base_swa=spec.swa.rope_base, swa_same_rope=spec.swa.same_rope)
+    fam = ARCH_FAMILIES[spec.arch]
+    fields["ffn_act"] = fam.ffn_act
+    if fam.gemma:
+        fields.update(embed_scale=spec.embed_scale, attn_scale=spec.attn_scale, final_softcap=spec.final_softcap)
     if spec.mla is not None:
         fields.update(q_lora_rank=spec.mla.q_lora_rank or 0, kv_lora_rank=spec.mla.kv_lora_rank,
                       qk_nope=spec.mla.qk_nope, qk_rope=spec.mla.qk_rope, v_head=spec.mla.v_head,

@@ -7,6 +7,7 @@ self-attention block that glm4moe shares.
 - qwen2: q/k/v biases, NEOX rope.
 - qwen3: per-head RMSNorm on q and k (``attn_q_norm`` / ``attn_k_norm``) before NEOX rope;
   ``attention.key_length`` may differ from D / H.
+- gpt-oss (through gqa_moe.py): q/k/v/o biases, per-head ``attn_sinks``, a sliding window.
 
 Dimension letters: T new tokens, S cached + new keys, H / G query / kv heads, d head dim.
 """
@@ -43,7 +44,8 @@ def self_attention(
     k = apply_rope(k, cos, sin, cfg.rope_mode)
     k_all = cache.extend("k", k)  # [S, G, d]
     v_all = cache.extend("v", v)  # [S, G, dv]
-    o = attention(q, k_all, v_all, causal_mask(q_pos, k_pos, window), cfg.kq_scale)  # [T, H, dv]
+    o = attention(q, k_all, v_all, causal_mask(q_pos, k_pos, window), cfg.kq_scale,
+                  w.get("attn_sinks.weight"))  # [T, H, dv]
     return linear(o.reshape(n_tok, cfg.n_head * cfg.head_dim_v), w["attn_output.weight"], w.get("attn_output.bias"))
 
 

@@ -1,5 +1,6 @@
-"""GQA + MoE decoder layers: glm4moe (GLM-4.5 / 4.6 / 4.7, docs/architectures.md sec 4) and
-qwen3moe (Qwen3-30B-A3B / 235B-A22B, sec 6).
+"""GQA + MoE decoder layers: glm4moe (GLM-4.5 / 4.6 / 4.7, docs/architectures.md sec 4),
+qwen3moe (Qwen3-30B-A3B / 235B-A22B, sec 6) and gpt-oss (sec 9: attention sinks, a sliding
+window on the even layers, a biased router, biased experts with the clamped SwiGLU).
 
 GQA attention (the dense family's block: optional q/k/v biases, optional per-head q/k
 RMSNorm before rope) with NEOX rope on the first ``rope.dimension_count`` dims of each head
@@ -24,8 +25,10 @@ def forward_layer(
     cfg: ReferenceConfig, i: int, w: Weights, h: Tensor, rope: tuple[Tensor, Tensor],
     q_pos: Tensor, k_pos: Tensor, cache: LayerCache, shared: dict,
 ) -> LayerOutput:
-    """One glm4moe / qwen3moe decoder layer on the residual stream h [T, D]."""
-    attn_out = self_attention(cfg, w, rms_norm(h, w["attn_norm.weight"], cfg.rms_eps), rope, q_pos, k_pos, cache)
+    """One glm4moe / qwen3moe / gpt-oss decoder layer on the residual stream h [T, D]."""
+    window = cfg.swa_window if cfg.is_swa_layer(i) else 0  # gpt-oss's even layers
+    attn_out = self_attention(cfg, w, rms_norm(h, w["attn_norm.weight"], cfg.rms_eps), rope, q_pos, k_pos, cache,
+                              window=window)
     after_attn = h + attn_out
     norm = w["ffn_norm.weight"] if "ffn_norm.weight" in w else w["post_attention_norm.weight"]
     x = rms_norm(after_attn, norm, cfg.rms_eps)

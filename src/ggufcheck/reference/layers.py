@@ -103,11 +103,13 @@ def causal_mask(q_pos: Tensor, k_pos: Tensor, window: int = 0) -> Tensor:
 
 
 def attention(
-    q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float
+    q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float, sinks: Tensor | None = None
 ) -> Tensor:
     """Softmax attention: q [T, H, d], k [S, G, d], v [S, G, dv], allowed [T, S] -> [T, H, dv].
 
     GQA: query head h reads kv head h // (H / G). Softmax in the working dtype (>= fp32).
+    ``sinks`` [H] (gpt-oss): one more logit per head in every row's softmax, with no value
+    (it only takes probability mass away from the keys).
     """
     n_head, n_kv = q.shape[1], k.shape[1]
     group = n_head // n_kv
@@ -115,7 +117,11 @@ def attention(
     v = v.repeat_interleave(group, dim=1)  # [S, H, dv]
     scores = torch.einsum("thd,shd->hts", q, k) * scale  # [H, T, S]
     scores = scores.masked_fill(~allowed[None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        sink = sinks.to(scores.dtype)[:, None, None].expand(-1, scores.shape[1], 1)  # [H, T, 1]
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hts,shd->thd", probs, v)  # [T, H, dv]
 
 
@@ -144,12 +150,12 @@ def geglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
 
 
 def _selection(x: Tensor, gate_inp: Tensor, bias: Tensor | None,
-               cfg: ReferenceConfig) -> tuple[Tensor, Tensor, Tensor | None]:
+               cfg: ReferenceConfig, gate_bias: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """The router's scores: (probs [T, E], selection scores [T, E] with the experts of dropped
     groups at -inf, group gap [T] or None). Probabilities from softmax or sigmoid; the bias
     only steers SELECTION; groups keep their top ``n_group_used`` by the sum of their top-2
     biased scores; the group gap is the weakest kept group's score minus the best dropped one's."""
-    logits = linear(x, gate_inp)  # [T, E]
+    logits = linear(x, gate_inp, gate_bias)  # [T, E] (gpt-oss's router linear has a bias)
     probs = torch.softmax(logits, dim=-1) if cfg.gating == "softmax" else torch.sigmoid(logits)
     select = probs + bias if bias is not None else probs  # [T, E]
     group_gap = None
@@ -167,13 +173,14 @@ def _selection(x: Tensor, gate_inp: Tensor, bias: Tensor | None,
     return probs, select, group_gap
 
 
-def route(x: Tensor, gate_inp: Tensor, bias: Tensor | None, cfg: ReferenceConfig) -> tuple[Tensor, Tensor]:
+def route(x: Tensor, gate_inp: Tensor, bias: Tensor | None, cfg: ReferenceConfig,
+          gate_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The MoE router (docs/architectures.md sec 3): x [T, D] -> (expert ids [T, K], weights [T, K]).
 
     Experts chosen by their selection scores (:func:`_selection`); weights are gathered from
     the UNBIASED probabilities, optionally normalized, scaled once.
     """
-    probs, select, _ = _selection(x, gate_inp, bias, cfg)
+    probs, select, _ = _selection(x, gate_inp, bias, cfg, gate_bias)
     ids = select.topk(cfg.n_expert_used, dim=-1).indices  # [T, K]
     weights = probs.gather(1, ids)  # [T, K]
     if cfg.expert_weights_norm:
@@ -181,10 +188,11 @@ def route(x: Tensor, gate_inp: Tensor, bias: Tensor | None, cfg: ReferenceConfig
     return ids, weights * cfg.expert_weights_scale
 
 
-def router_gap(x: Tensor, gate_inp: Tensor, bias: Tensor | None, cfg: ReferenceConfig, ids: Tensor) -> Tensor:
+def router_gap(x: Tensor, gate_inp: Tensor, bias: Tensor | None, cfg: ReferenceConfig, ids: Tensor,
+               gate_bias: Tensor | None = None) -> Tensor:
     """[T] the routing's margin: the weakest chosen expert's selection score minus the best
     unchosen eligible one's, or the group gap where that is smaller."""
-    _, select, group_gap = _selection(x, gate_inp, bias, cfg)
+    _, select, group_gap = _selection(x, gate_inp, bias, cfg, gate_bias)
     chosen = select.gather(1, ids).min(dim=-1).values
     rest = select.scatter(1, ids, float("-inf")).max(dim=-1).values
     gap = chosen - rest
@@ -193,15 +201,32 @@ def router_gap(x: Tensor, gate_inp: Tensor, bias: Tensor | None, cfg: ReferenceC
     return gap.to(torch.float64)
 
 
-def moe(x: Tensor, ids: Tensor, weights: Tensor, gate_exps: Tensor, up_exps: Tensor, down_exps: Tensor) -> Tensor:
+# gpt-oss's clamped SwiGLU (llama.cpp ggml_swiglu_oai in build_moe_ffn, transformers
+# GptOssExperts._apply_gate): its alpha and limit are constants of the model, not GGUF keys
+SWIGLU_OAI_ALPHA = 1.702
+SWIGLU_OAI_LIMIT = 7.0
+
+
+def moe(x: Tensor, ids: Tensor, weights: Tensor, gate_exps: Tensor, up_exps: Tensor, down_exps: Tensor,
+        biases: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None), act: str = "silu") -> Tensor:
     """sum_k w_k * expert_{ids_k}(x): an explicit loop over the experts that were chosen.
 
     x [T, D]; ids, weights [T, K]; gate/up_exps [E, F, D]; down_exps [E, D, F] -> [T, D].
+    ``biases`` (gate [E, F], up [E, F], down [E, D]) and ``act`` "swiglu_oai": gpt-oss's
+    experts, ``(clamp(up, +-L) + 1) * g * sigmoid(alpha g)`` with ``g = min(gate, L)``.
     """
     out = torch.zeros_like(x)
+    b_gate, b_up, b_down = biases
     for e in torch.unique(ids).tolist():
         tok, slot = torch.nonzero(ids == e, as_tuple=True)  # tokens that chose e, and where
-        y = swiglu(x[tok], gate_exps[e], up_exps[e], down_exps[e])  # [n, D]
+        if act == "swiglu_oai":
+            xe = x[tok]
+            g = linear(xe, gate_exps[e], None if b_gate is None else b_gate[e]).clamp(max=SWIGLU_OAI_LIMIT)
+            u = linear(xe, up_exps[e], None if b_up is None else b_up[e]).clamp(-SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
+            y = linear(g * torch.sigmoid(SWIGLU_OAI_ALPHA * g) * (u + 1), down_exps[e],
+                       None if b_down is None else b_down[e])  # [n, D]
+        else:
+            y = swiglu(x[tok], gate_exps[e], up_exps[e], down_exps[e])  # [n, D]
         out.index_add_(0, tok, y * weights[tok, slot, None])
     return out
 
@@ -238,16 +263,18 @@ def ffn_block(cfg: ReferenceConfig, w: dict[str, Tensor], x: Tensor, moe_layer: 
         if "post_ffw_norm.weight" in w:  # gemma: the block's output is normed before the residual add
             out = rms_norm(out, w["post_ffw_norm.weight"], cfg.rms_eps)
         return FFNParts(out=out)
-    ids, weights = route(x, w["ffn_gate_inp.weight"], w.get("exp_probs_b.bias"), cfg)
+    gate_bias = w.get("ffn_gate_inp.bias")
+    ids, weights = route(x, w["ffn_gate_inp.weight"], w.get("exp_probs_b.bias"), cfg, gate_bias)
     if "ffn_gate_up_exps.weight" in w:
         gate_up = w["ffn_gate_up_exps.weight"]  # [E, 2F, D]
         gate, up = gate_up[:, : cfg.n_ff_exp], gate_up[:, cfg.n_ff_exp :]  # [E, F, D] each
     else:
         gate, up = w["ffn_gate_exps.weight"], w["ffn_up_exps.weight"]
-    routed = moe(x, ids, weights, gate, up, w["ffn_down_exps.weight"])
+    biases = (w.get("ffn_gate_exps.bias"), w.get("ffn_up_exps.bias"), w.get("ffn_down_exps.bias"))
+    routed = moe(x, ids, weights, gate, up, w["ffn_down_exps.weight"], biases, cfg.ffn_act)
     shared = None
     if "ffn_gate_shexp.weight" in w:
         shared = swiglu(x, w["ffn_gate_shexp.weight"], w["ffn_up_shexp.weight"], w["ffn_down_shexp.weight"])
-    gap = router_gap(x, w["ffn_gate_inp.weight"], w.get("exp_probs_b.bias"), cfg, ids)
+    gap = router_gap(x, w["ffn_gate_inp.weight"], w.get("exp_probs_b.bias"), cfg, ids, gate_bias)
     return FFNParts(out=routed if shared is None else routed + shared, routed=routed, shared=shared, ids=ids,
                     weights=weights, gap=gap)

@@ -33,7 +33,8 @@ from ggufcheck.reference.precision import Emulation, emulating
 from ggufcheck.reference.weights import WeightStore
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
-_ROPE_FIELDS = ("n_rot", "rope_base", "rope_base_swa", "rope_freq_scale", "yarn", "swa_window", "swa_layers")
+_ROPE_FIELDS = ("n_rot", "rope_base", "rope_base_swa", "rope_freq_scale", "yarn", "swa_window", "swa_layers",
+                "swa_same_rope")
 HEAD_CHUNK_ROWS = 16384  # output-head rows dequantized at a time
 
 
@@ -79,8 +80,8 @@ class ReferenceModel:
         self.inv_freq = rope_inv_freq(self.cfg.n_rot, self.cfg.rope_base, self.cfg.yarn, freq_factors) \
             * self.cfg.rope_freq_scale
         # sliding-window layers (gemma3): their own base, no scaling (llama.cpp rope_freq_*_train_swa)
-        self.inv_freq_swa = (rope_inv_freq(self.cfg.n_rot, self.cfg.rope_base_swa) if any(self.cfg.swa_layers)
-                             else self.inv_freq)
+        self.inv_freq_swa = (rope_inv_freq(self.cfg.n_rot, self.cfg.rope_base_swa)
+                             if any(self.cfg.swa_layers) and not self.cfg.swa_same_rope else self.inv_freq)
 
     @property
     def path(self) -> Path:
@@ -108,7 +109,7 @@ class ReferenceModel:
              cfg: ReferenceConfig | None = None) -> tuple[Tensor, Tensor]:
         """cos, sin [T, n_rot/2] for these positions (at ``layer``: a sliding-window layer has
         its own base); ``cfg``: another config's rope (a localization hypothesis)."""
-        swa = layer is not None and (cfg or self.cfg).is_swa_layer(layer)
+        swa = layer is not None and (cfg or self.cfg).is_swa_layer(layer) and not (cfg or self.cfg).swa_same_rope
         if cfg is not None and any(getattr(cfg, f) != getattr(self.cfg, f) for f in _ROPE_FIELDS):
             freq_factors = self.weights.global_tensor("rope_freqs.weight") if cfg.has_rope_freqs else None
             inv = (rope_inv_freq(cfg.n_rot, cfg.rope_base_swa) if swa else

@@ -81,6 +81,14 @@ HF_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
         **_COMMON, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1)),
+    # gpt-oss: GQA 4/2 with q/k/v/o biases and per-head attention sinks, sliding window 8 on the
+    # even layers, YaRN (factor 4 over 128), 8 experts (2 used) with biases and the clamped
+    # SwiGLU, a router with a bias whose weights are a softmax over the chosen logits.
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        **_COMMON, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 128, "beta_fast": 32.0, "beta_slow": 1.0})),
     # GQA 4/2, head_dim 32 != hidden/heads (as GLM-4.5), attention bias, q/k norm,
     # partial rotary 0.5, layer 0 dense, no NextN layer.
     "glm4moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
@@ -226,6 +234,17 @@ def build_hf_tiny(arch: str, out_dir: str | Path, seed: int = 0) -> Path:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn_like(b))
+        if model_name.startswith("GptOss"):
+            # biases small (an o_proj bias near 1 would be the same large vector in every token's
+            # residual, and every token would route alike) and router logits O(1) per token, so
+            # the tokens' own states decide the routing
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.copy_(0.1 * torch.randn_like(p))
+                elif name.endswith("router.weight"):
+                    p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
+                elif name.endswith("embed_tokens.weight"):  # tokens that differ by more than the biases
+                    p.copy_(torch.randn_like(p))
         if model_name.startswith("Gemma3"):
             # Gemma's norms multiply by 1 + w and the converter stores fp32(1 + w): pick w so
             # that 1 + w is exact in fp32 (x - 1 is exact for x in [0.5, 2]), so the file holds

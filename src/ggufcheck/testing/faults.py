@@ -56,7 +56,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ggufcheck.arch.families import archs
+from ggufcheck.arch.families import FAMILIES, archs
 from ggufcheck.engines.base import (
     LAYER_KINDS,
     Capabilities,
@@ -84,6 +84,8 @@ MLA_ARCHS = frozenset(archs(mla=True))
 MOE_ARCHS = frozenset(archs(moe=True))
 ALL_ARCHS = frozenset(archs())
 GEMMA_ARCHS = frozenset(archs(gemma=True))
+SWA_ARCHS = frozenset(a for a in archs() if FAMILIES[a].swa_pattern)  # sliding-window layers
+SINK_ARCHS = frozenset({"gpt-oss"})  # attention sinks (attn_sinks.weight)
 BIASED_ROUTER_ARCHS = frozenset(archs(biased_router=True))  # exp_probs_b and a routed scale to get wrong
 
 
@@ -473,6 +475,13 @@ def _build_swa_rope_base(cfg: ReferenceConfig, layer: int | None = None, **_: An
     return ModelPatch(config={"rope_base_swa": cfg.rope_base})
 
 
+def _build_sinks_ignored(cfg: ReferenceConfig, layer: int | None = None, **_: Any) -> ModelPatch:
+    def patch(c: ReferenceConfig, i: int, w: Weights) -> Weights:
+        return {k: v for k, v in w.items() if k != "attn_sinks.weight"}
+
+    return ModelPatch(layer_weights=patch)
+
+
 def _patch_builders() -> dict[str, Callable[..., ModelPatch]]:
     return {
         "kv-b-all-k-then-v": _build_kv_b_tp, "kv-b-v-before-k": _build_v_then_k,
@@ -483,7 +492,7 @@ def _patch_builders() -> dict[str, Callable[..., ModelPatch]]:
         "kv-cache-corrupt-decode": _build_kv_cache, "qk-permutation-missing": _build_qk_perm_missing,
         "block-scale-corrupted": _build_block_scale, "allreduce-doubled": _build_allreduce_doubled,
         "gating-swapped": _build_gating_swapped, "sliding-window-ignored": _build_window_ignored,
-        "swa-rope-base-wrong": _build_swa_rope_base,
+        "swa-rope-base-wrong": _build_swa_rope_base, "attention-sinks-ignored": _build_sinks_ignored,
     }
 
 
@@ -494,6 +503,7 @@ _FIRST_LAYER: dict[str, Callable[[ReferenceConfig, int | None], int | None]] = {
     "indexer-ignored": _zero, "kv-cache-corrupt-decode": _none, "flat-output": _none,
     "qk-permutation-missing": _zero, "block-scale-corrupted": _last, "allreduce-doubled": _last,
     "gating-swapped": _first_moe, "sliding-window-ignored": _zero, "swa-rope-base-wrong": _zero,
+    "attention-sinks-ignored": _zero,
 }
 
 
@@ -547,12 +557,15 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _f("gating-swapped", "moe-router", MOE_ARCHS, "layers",
        "the router's gating function swapped (softmax <-> sigmoid; an absent expert_gating_func read "
        "another way than the model was trained)", layers_component="moe-router"),
-    _f("sliding-window-ignored", "attention", GEMMA_ARCHS, "layers",
-       "gemma3's sliding-window layers attend to every earlier position (the window ignored; shows once a "
-       "prompt is longer than the window)", layers_component="attention"),
+    _f("sliding-window-ignored", "attention", SWA_ARCHS, "layers",
+       "the sliding-window layers (gemma3, gpt-oss) attend to every earlier position (the window ignored; "
+       "shows once a prompt is longer than the window)", layers_component="attention"),
     _f("swa-rope-base-wrong", "rope", GEMMA_ARCHS, "layers",
        "gemma3's sliding-window layers rotate with the global rope base (1e6) instead of their own (1e4)",
        layers_component="rope"),
+    _f("attention-sinks-ignored", "attention", SINK_ARCHS, "layers",
+       "gpt-oss's per-head attention sinks left out of the softmax (an engine without sink support)",
+       layers_component="attention"),
 )}
 
 

@@ -31,10 +31,11 @@ from ggufcheck.arch.families import archs
 from ggufcheck.errors import GGUFCheckError
 from ggufcheck.testing import qblocks
 
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "glm4moe", "deepseek2", "glm-dsa")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss", "glm4moe", "deepseek2", "glm-dsa")
 _MOE_ARCHS = archs(moe=True)  # arch/families.py
 _MLA_ARCHS = archs(mla=True)
 _GEMMA_ARCHS = archs(gemma=True)
+_BIASED_ROUTER_ARCHS = archs(biased_router=True)
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,12 @@ DEFAULT_DIMS: dict[str, TinyDims] = {
     # no shared expert, no selection bias, q/k norms
     "qwen3moe": TinyDims("qwen3moe", n_layer=2, rms_eps=1e-6, head_dim=32, qk_norm=True, n_expert=8,
                          n_expert_used=2, n_ff_exp=32, gating_func=None, expert_weights_norm=False),
+    # gpt-oss: q/k/v/o biases and attention sinks, window 8 on the even layers, YaRN x4 over
+    # 128 (no log multiplier, as its converter writes), every layer MoE with biased router
+    # and experts, the clamped SwiGLU
+    "gpt-oss": TinyDims("gpt-oss", n_layer=2, head_dim=16, n_ff=32, attn_bias=True, rope_base=150000.0,
+                        n_expert=8, n_expert_used=2, n_ff_exp=32, gating_func=None, expert_weights_norm=False,
+                        swa_window=8, yarn_factor=4.0, yarn_orig_ctx=128, yarn_log_mul=0.0),
     "glm4moe": TinyDims("glm4moe", n_layer=3, head_dim=32, n_rot=16, attn_bias=True,
                         qk_norm=True, **_MOE),
     "deepseek2": TinyDims("deepseek2", n_layer=3, rms_eps=1e-6, n_head_kv=1, n_group=2,
@@ -165,7 +172,7 @@ def tensor_shapes(d: TinyDims) -> dict[str, tuple[int, ...]]:
         layer.update(_mla_attention(d) if d.arch in _MLA_ARCHS else _gqa_attention(d))
         if d.has_indexer(i):
             layer.update(_indexer(d))
-        norm = "post_attention_norm.weight" if d.arch == "glm4moe" else "ffn_norm.weight"
+        norm = "post_attention_norm.weight" if d.arch in ("glm4moe", "gpt-oss") else "ffn_norm.weight"
         if d.arch in _GEMMA_ARCHS:  # sandwich norms around both blocks
             layer["post_attention_norm.weight"] = (D,)
         layer[norm] = (D,)
@@ -191,6 +198,8 @@ def _gqa_attention(d: TinyDims) -> dict[str, tuple[int, ...]]:
     if d.qk_norm:
         t.update({"attn_q_norm.weight": (d.head_dim,), "attn_k_norm.weight": (d.head_dim,)})
     t["attn_output.weight"] = (D, q_out)
+    if d.arch == "gpt-oss":  # the output bias and one sink per head
+        t.update({"attn_output.bias": (D,), "attn_sinks.weight": (d.n_head,)})
     return t
 
 
@@ -234,13 +243,16 @@ def _dense_ffn(d: TinyDims) -> dict[str, tuple[int, ...]]:
 def _moe_ffn(d: TinyDims) -> dict[str, tuple[int, ...]]:
     D, E, Fe, Fs = d.n_embd, d.n_expert, d.n_ff_exp, d.n_ff_exp * d.n_expert_shared
     t: dict[str, tuple[int, ...]] = {
-        "ffn_gate_inp.weight": (E, D), **({} if d.arch == "qwen3moe" else {"exp_probs_b.bias": (E,)}),
+        "ffn_gate_inp.weight": (E, D), **({"exp_probs_b.bias": (E,)} if d.arch in _BIASED_ROUTER_ARCHS else {}),
         "ffn_gate_exps.weight": (E, Fe, D), "ffn_up_exps.weight": (E, Fe, D),
         "ffn_down_exps.weight": (E, D, Fe),
     }
     if d.n_expert_shared:
         t.update({"ffn_gate_shexp.weight": (Fs, D), "ffn_up_shexp.weight": (Fs, D),
                   "ffn_down_shexp.weight": (D, Fs)})
+    if d.arch == "gpt-oss":  # a biased router and biased experts
+        t.update({"ffn_gate_inp.bias": (E,), "ffn_gate_exps.bias": (E, Fe), "ffn_up_exps.bias": (E, Fe),
+                  "ffn_down_exps.bias": (E, D)})
     return t
 
 
@@ -314,13 +326,16 @@ def metadata(d: TinyDims, file_type: int | None = None) -> dict[str, tuple[Any, 
         kv.update({
             f"{a}.expert_count": (d.n_expert, T.UINT32),
             f"{a}.expert_used_count": (d.n_expert_used, T.UINT32),
-            f"{a}.expert_group_count": (d.n_group, T.UINT32),
-            f"{a}.expert_group_used_count": (d.n_group_used, T.UINT32),
             f"{a}.expert_feed_forward_length": (d.n_ff_exp, T.UINT32),
-            f"{a}.expert_shared_count": (d.n_expert_shared, T.UINT32),
-            f"{a}.leading_dense_block_count": (d.n_dense_lead, T.UINT32),
-            f"{a}.expert_weights_scale": (d.expert_weights_scale, T.FLOAT32),
         })
+        if a in _BIASED_ROUTER_ARCHS:  # the DeepSeek-V3-style router's keys (qwen3moe's converter writes none)
+            kv.update({
+                f"{a}.expert_group_count": (d.n_group, T.UINT32),
+                f"{a}.expert_group_used_count": (d.n_group_used, T.UINT32),
+                f"{a}.expert_shared_count": (d.n_expert_shared, T.UINT32),
+                f"{a}.leading_dense_block_count": (d.n_dense_lead, T.UINT32),
+                f"{a}.expert_weights_scale": (d.expert_weights_scale, T.FLOAT32),
+            })
         if d.gating_func is not None:
             kv[f"{a}.expert_gating_func"] = (d.gating_func, T.UINT32)
         if d.expert_weights_norm:
@@ -334,10 +349,13 @@ def metadata(d: TinyDims, file_type: int | None = None) -> dict[str, tuple[Any, 
             f"{a}.rope.scaling.original_context_length": (d.yarn_orig_ctx, T.UINT32),
             f"{a}.rope.scaling.yarn_beta_fast": (32.0, T.FLOAT32),
             f"{a}.rope.scaling.yarn_beta_slow": (1.0, T.FLOAT32),
-            f"{a}.rope.scaling.yarn_log_multiplier": (d.yarn_log_mul, T.FLOAT32),
         })
-    if d.swa_window:
+        if d.yarn_log_mul:  # deepseek2's converter writes it; gpt-oss's does not
+            kv[f"{a}.rope.scaling.yarn_log_multiplier"] = (d.yarn_log_mul, T.FLOAT32)
+    if d.swa_window:  # and gemma3's local rope base, as the converter writes it
         kv[f"{a}.attention.sliding_window"] = (d.swa_window, T.UINT32)
+        if a in _GEMMA_ARCHS:
+            kv[f"{a}.rope.freq_base_swa"] = (10000.0, T.FLOAT32)
     if a == "glm-dsa":
         types = d.indexer_types if d.indexer_types is not None else (True,) * d.n_layer
         kv.update({
@@ -445,8 +463,8 @@ def resolve_qtypes(names_shapes: dict[str, tuple[int, ...]],
 
     ``qtypes`` is one type for all, or a dict keyed by full tensor name, by role (see
     :func:`tensor_role`, e.g. ``"attn_k_b"``, ``"token_embd"``) or ``"default"``; a full name
-    wins over a role, a role over the default. 1-D tensors are F32 unless named explicitly
-    (as the converter does). A tensor whose row length is not a multiple of the chosen
+    wins over a role, a role over the default. 1-D tensors and biases are F32 unless named
+    explicitly (as the converter does). A tensor whose row length is not a multiple of the chosen
     type's block size falls back to F16 (its name is listed in the second result).
     """
     table = qtypes if isinstance(qtypes, dict) else {"default": qtypes}
@@ -460,7 +478,9 @@ def resolve_qtypes(names_shapes: dict[str, tuple[int, ...]],
         elif role in table:
             qt = table[role]
         else:
-            qt = Q.F32 if len(shape) == 1 else default
+            # 1-D tensors and biases stay F32, as the converter writes them (llama.cpp's CPU
+            # add_id, gpt-oss's expert-bias add, asserts an F32 bias)
+            qt = Q.F32 if len(shape) == 1 or name.endswith(".bias") else default
         if shape[-1] % qblocks.block_size(qt):
             fallbacks.append(name)
             qt = Q.F16 if shape[-1] % qblocks.block_size(Q.F16) == 0 else Q.F32
@@ -570,7 +590,8 @@ def build_tiny_gguf(arch: str | TinyDims, path: str | Path, *,
                     qtypes: str | Q | dict[str, str | Q] = "F32", seed: int = 0,
                     patch: Patch | None = None, patch_encoded: Patch | None = None,
                     **dims: Any) -> TinyGGUF:
-    """Write a tiny random GGUF of ``arch`` (llama, qwen2, qwen3, gemma3, qwen3moe, glm4moe, deepseek2, glm-dsa).
+    """Write a tiny random GGUF of ``arch`` (llama, qwen2, qwen3, gemma3, qwen3moe, gpt-oss, glm4moe, deepseek2,
+    glm-dsa).
 
     ``dims`` override :data:`DEFAULT_DIMS` fields (e.g. ``n_nextn=1``, ``yarn_factor=4.0``,
     ``indexer_types=(True, False, False)``, ``n_embd=256`` for K-quants); or pass a

@@ -42,7 +42,10 @@ def hypotheses_attention(cfg) -> list[tuple[str, str, dict | None, Callable | No
     if cfg.has_indexer:
         out.append(("indexer", "dense causal attention instead of the DSA top-k (indexer ignored)",
                     {"indexer_heads": 0}, None))
-    if cfg.swa_window:  # gemma3's local layers
+    if cfg.arch == "gpt-oss":
+        out.append(("attention", "the attention sinks (attn_sinks) left out of the softmax", None,
+                    lambda c, i, w: {k: v for k, v in w.items() if k != "attn_sinks.weight"}))
+    if cfg.swa_window:  # gemma3's and gpt-oss's local layers
         out.append(("attention", f"global attention in the sliding-window layers (the window of {cfg.swa_window} "
                                  "positions ignored)", {"swa_window": 0}, None))
         if cfg.rope_base_swa != cfg.rope_base:
