@@ -203,8 +203,8 @@ def test_eval_dim():
         eval_dim("Q", dims)
     with pytest.raises(ValueError):
         eval_dim("__import__('os')", dims)
-    assert set(TABLES) == {"llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss", "glm4moe", "deepseek2",
-                           "glm-dsa"}
+    assert set(TABLES) == {"llama", "qwen2", "qwen3", "phi3", "gemma3", "qwen3moe", "gpt-oss", "glm4moe",
+                           "deepseek2", "glm-dsa"}
 
 
 def test_legacy_and_lite_deepseek2_layouts():

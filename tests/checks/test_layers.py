@@ -31,6 +31,7 @@ LAYER_FAULTS = {  # arch -> the faults the layers stage must name on it
                 "routed-scale-twice", "rope-pairing-swapped", "norm-eps-wrong", "attention-scale-wrong"],
     "glm4moe": ["experts-permuted", "router-bias-ignored", "routed-scale-never", "allreduce-doubled",
                 "gating-swapped"],
+    "phi3": ["rope-pairing-swapped", "norm-eps-wrong", "attention-scale-wrong", "block-scale-corrupted"],
     "gpt-oss": ["attention-sinks-ignored", "sliding-window-ignored", "experts-permuted", "gating-swapped",
                 "rope-pairing-swapped", "attention-scale-wrong"],
     "qwen3moe": ["experts-permuted", "gating-swapped", "rope-pairing-swapped", "attention-scale-wrong"],
@@ -196,7 +197,7 @@ def test_healthy_reference_fp32_passes(models, arch):
     engine.close()
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3moe", "gpt-oss", "deepseek2", "glm-dsa"])
+@pytest.mark.parametrize("arch", ["llama", "phi3", "gemma3", "qwen3moe", "gpt-oss", "deepseek2", "glm-dsa"])
 def test_healthy_transformers_passes(tiny_converted, arch):
     """transformers (engines.hf) is an independent implementation: no false alarm. For glm-dsa
     the reference is told transformers' hard-coded q_a / kv_a norm eps (1e-6, the file says

@@ -19,7 +19,7 @@ from ggufcheck.gguf.reader import open_gguf
 from ggufcheck.results import Status
 from ggufcheck.testing import filefaults
 
-ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss", "glm4moe", "deepseek2", "glm-dsa"]
+ARCHS = ["llama", "qwen2", "qwen3", "phi3", "gemma3", "qwen3moe", "gpt-oss", "glm4moe", "deepseek2", "glm-dsa"]
 
 
 def _results(path):

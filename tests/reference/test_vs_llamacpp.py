@@ -86,7 +86,7 @@ def test_smollm2_dequantized_f32_agrees_tightly(smollm2, smollm2_f32, smollm2_re
     assert diff < 1e-3 and kl.mean() < 1e-8
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen3", "qwen3moe", "gpt-oss", "glm4moe", "deepseek2", "deepseek2-yarn",
+@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen3", "phi3", "qwen3moe", "gpt-oss", "glm4moe", "deepseek2", "deepseek2-yarn",
                                   "glm-dsa"])
 def test_tiny_models_agree(arch, tiny, llama_cpp_run, prompt):
     path = tiny(arch).gguf_path

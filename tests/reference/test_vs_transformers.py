@@ -30,6 +30,7 @@ CASES = {  # arch -> reference options that state transformers' conventions
     "llama3": {},
     "qwen2": {},
     "qwen3": {},
+    "phi3": {},
     "gemma3": {},
     "qwen3moe": {},
     "gpt-oss": {},

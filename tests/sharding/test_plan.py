@@ -47,6 +47,18 @@ def test_glm45_style_experts_unaligned_for_q4_k_at_tp8(tiny_gguf):
     assert exps[8][0].stats["block"] == 256 and exps[8][0].stats["qtype"] == "Q4_K"
 
 
+def test_gpt_oss_mxfp4_experts_need_32_aligned_slices(tiny_gguf):
+    """gpt-oss-120b: expert FF 2880; in MXFP4 (32-value blocks) 2880 / 8 = 360 does not start
+    each rank's slice on a block; the tiny model's 32 / 2 = 16 shows the same rule."""
+    g = tiny_gguf("gpt-oss", qtypes={"ffn_down_exps": "MXFP4", "default": "F32"})
+    with open_gguf(g.path) as m:
+        by_tp = {tp: [r for r in plan_results(m, tp) if r.check == "sharding.plan.block_alignment"
+                      and "ffn_down_exps" in r.message] for tp in (1, 2)}
+    assert by_tp[1][0].status is Status.PASS
+    assert by_tp[2][0].status is Status.FAIL and "32 / 2 = 16" in by_tp[2][0].message
+    assert by_tp[2][0].stats["qtype"] == "MXFP4" and by_tp[2][0].stats["block"] == 32
+
+
 def test_same_experts_in_q8_0_align_at_tp8(tiny_gguf):
     g = tiny_gguf("glm4moe", n_ff_exp=1536, qtypes={"ffn_down_exps": "Q8_0", "default": "F16"})
     with open_gguf(g.path) as m:

@@ -47,6 +47,8 @@ FAMILIES: dict[str, Family] = {f.arch: f for f in (
     Family("llama", "dense", "dense:LLAMA", "llama", rope="norm"),  # on q/k rows the converter permuted
     Family("qwen2", "dense", "dense:QWEN2", "qwen2", rope="neox"),
     Family("qwen3", "dense", "dense:QWEN3", "qwen3", rope="neox"),
+    # Phi-3 / Phi-3.5 / Phi-4 (mini): fused attn_qkv and gate_up, NEOX rope
+    Family("phi3", "dense", "dense:PHI3", "phi3", rope="neox"),
     Family("gemma3", "gemma3", "gemma3:GEMMA3", "gemma3_text", rope="neox", gemma=True, ffn_act="gelu_tanh",
            swa_pattern=6),
     # llama.cpp openai-moe.cpp: softmax over the chosen logits (= renormalized softmax), the

@@ -378,7 +378,7 @@ def _build(keys: Keys, arch: str, tied: bool | None) -> ArchSpec | None:
 def _build_gqa(keys: Keys, arch: str, n_embd: int, n_block: int, n_nextn: int, n_head: int,
                n_head_kv: int, n_vocab: int, rms_eps: float, context: int | None,
                tied: bool | None) -> ArchSpec | None:
-    """llama, qwen2, qwen3, gemma3, qwen3moe, gpt-oss, glm4moe: grouped-query attention."""
+    """llama, qwen2, qwen3, phi3, gemma3, qwen3moe, gpt-oss, glm4moe: grouped-query attention."""
     check(keys, n_head % n_head_kv == 0, "attention.head_count_kv",
            f"{n_head_kv} kv heads do not divide {n_head} query heads")
     if not keys.has("attention.key_length"):
@@ -400,6 +400,10 @@ def _build_gqa(keys: Keys, arch: str, n_embd: int, n_block: int, n_nextn: int, n
     gemma = _gemma(keys, n_block, n_embd, n_head, head_k) if fam.gemma else {}
     if gemma is None:
         return None
+    if arch == "phi3":
+        gemma = _phi3_window(keys, n_block, rope)
+        if gemma is None:
+            return None
     if fam.swa_same_rope:  # gpt-oss: the window is required, the local layers rotate as the global ones
         window = keys.int("attention.sliding_window")
         layers = _swa_layers(keys, n_block, fam.swa_pattern)
@@ -410,6 +414,21 @@ def _build_gqa(keys: Keys, arch: str, n_embd: int, n_block: int, n_nextn: int, n
                     n_vocab=n_vocab, n_head=n_head, n_head_kv=n_head_kv, head_dim_k=head_k,
                     head_dim_v=head_v, n_ff=n_ff, rms_eps=rms_eps, context_length=context,
                     rope=rope, moe=moe, tied_output=tied, notes=tuple(keys.notes), **gemma)
+
+
+def _phi3_window(keys: Keys, n_block: int, rope: Rope) -> dict[str, Any] | None:
+    """phi3's ``attention.sliding_window`` (0: Phi-4, none): the model (transformers' Phi3)
+    masks every layer to it, while llama.cpp's phi3 loader switches sliding-window attention
+    off (src/models/phi3.cpp, "Phi SWA is currently disabled", PR 13676): past the window the
+    two compute different models, and the reference computes the trained one."""
+    window = keys.int("attention.sliding_window", 0, minimum=0)
+    if window is None:
+        return None
+    if not window:
+        return {}
+    keys.notes.append(f"sliding window {window} on every layer (the model's; llama.cpp disables Phi SWA, "
+                      "so prompts longer than the window differ there)")
+    return dict(swa=SlidingWindow(window=window, layers=(True,) * n_block, rope_base=rope.base, same_rope=True))
 
 
 def _swa_layers(keys: Keys, n_block: int, default_pattern: int) -> tuple[bool, ...] | None:

@@ -26,7 +26,7 @@ A minimal plug-in (``ggufcheck compare MODEL.gguf --engine python:my_mod:make``)
 
         def score(self, tokens, *, top_k=20):
             logits = my_client.forward(tokens)            # [T, V] next-token logits
-            return TokenLogprobs(tokens, self.vocab_size, log_softmax(logits).astype("float32"))
+            return TokenLogprobs(tokens, self.vocab_size, log_softmax(logits, np.float32))
 
     def make(model_path):
         return MyEngine()
@@ -346,11 +346,21 @@ class GGUFVocabTokenizer:
         return self._tokenizer.decode([int(t) for t in tokens])
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """Row-wise log-softmax in float64 (a constant shift of the logits is not an error)."""
-    x = np.asarray(logits, dtype=np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+def log_softmax(logits: np.ndarray, dtype: type = np.float64) -> np.ndarray:
+    """Row-wise log-softmax (a constant shift of the logits is not an error), computed in float64
+    a block of rows at a time and returned as ``dtype``: on a 262k vocabulary a whole-table
+    float64 pass over a 513-token prompt held four 1 GB temporaries."""
+    x = np.asarray(logits)
+    if x.ndim == 1:
+        return log_softmax(x[None], dtype)[0]
+    out = np.empty(x.shape, dtype=dtype)
+    for rows in row_blocks(x.shape[0], x.shape[-1]):
+        block = x[rows].astype(np.float64)
+        m = block.max(axis=-1, keepdims=True)
+        block -= m
+        block -= np.log(np.exp(block).sum(axis=-1, keepdims=True))
+        out[rows] = block
+    return out
 
 
 def reasons(**why: str) -> Mapping[str, str]:

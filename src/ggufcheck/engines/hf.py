@@ -6,7 +6,7 @@ ggufcheck's tensor table, the config from the architecture spec, and the modelin
 transformers' (an independent second implementation of the math). Per-layer outputs come
 from forward hooks on the decoder layers, attention and MLP modules.
 
-Config builders cover llama, qwen2, qwen3, gemma3 (gemma3_text), qwen3moe (qwen3_moe), gpt-oss
+Config builders cover llama, qwen2, qwen3, phi3, gemma3 (gemma3_text), qwen3moe (qwen3_moe), gpt-oss
 (gpt_oss), glm4moe (glm4_moe),
 deepseek2 (deepseek_v3, sigmoid router only) and glm-dsa (glm_moe_dsa); anything else
 raises Unsupported.
@@ -97,6 +97,8 @@ def hf_config(spec: Any) -> dict[str, Any]:
                    moe_intermediate_size=moe.expert_ff, first_k_dense_replace=moe.leading_dense,
                    norm_topk_prob=moe.weights_norm, routed_scaling_factor=moe.weights_scale,
                    n_group=moe.n_group, topk_group=moe.n_group_used)
+    if spec.arch == "phi3":
+        cfg.update(sliding_window=spec.swa.window if spec.swa is not None else None, pad_token_id=0)
     if spec.arch == "gpt-oss":  # GptOssConfig's own names
         moe, swa = spec.moe, spec.swa
         cfg.update(num_local_experts=moe.n_expert, num_experts_per_tok=moe.n_used, intermediate_size=moe.expert_ff,

@@ -259,8 +259,7 @@ class LlamaCppEngine(Engine):
 
     def _table(self, tokens: Sequence[int]) -> TokenLogprobs:
         n = len(tokens)
-        logits = np.array(self._llm.scores[:n], dtype=np.float32)  # [T, V] copy
-        return TokenLogprobs(tokens, self.vocab_size, log_softmax(logits).astype(np.float32))
+        return TokenLogprobs(tokens, self.vocab_size, log_softmax(self._llm.scores[:n], np.float32))  # [T, V]
 
     def score(self, tokens: Sequence[int], *, top_k: int = 20) -> TokenLogprobs:
         tokens = [int(t) for t in tokens]

@@ -59,8 +59,7 @@ class ReferenceEngine(GGUFVocabTokenizer, Engine):
             return False, f"the GGUF's tokenizer is unavailable here: {err}"
 
     def _table(self, tokens: list[int], logits: Any) -> TokenLogprobs:
-        logp = self._torch.log_softmax(logits.to(self._torch.float64), dim=-1).cpu().numpy()  # [T, V]
-        return TokenLogprobs(tokens, self.vocab_size, logp)
+        return TokenLogprobs(tokens, self.vocab_size, log_softmax_inplace(logits))
 
     def score(self, tokens: Sequence[int], *, top_k: int = 20) -> TokenLogprobs:
         """Prefill log-probs; with a DSA indexer, rows where any layer's top-k has a boundary tie
@@ -144,3 +143,17 @@ class ReferenceEngine(GGUFVocabTokenizer, Engine):
         if model is not None:
             model.close()
             self.model = None
+
+
+def log_softmax_inplace(logits: Any) -> np.ndarray:
+    """Row-wise log-softmax of a [T, V] torch tensor as float64 numpy, a block of rows at a
+    time and in place (on a 262k vocabulary a whole-table log_softmax held 3 copies of 1 GB)."""
+    import torch
+
+    from ggufcheck.engines.base import row_blocks
+
+    out = logits.detach().to("cpu", torch.float64)  # no copy when already fp64 on the CPU
+    for rows in row_blocks(out.shape[0], out.shape[1]):
+        block = out[rows]
+        block.sub_(torch.logsumexp(block, dim=-1, keepdim=True))
+    return out.numpy()

@@ -406,7 +406,7 @@ class VllmEngine(Engine):
         for i, s in enumerate(seqs):
             found = np.array(reply["found"][i][:len(s)], dtype=bool)  # positions vLLM computed
             lp = np.zeros((len(s), self.vocab_size), dtype=np.float32)
-            lp[found] = log_softmax(out[f"logits{i}"][:found.sum()]).astype(np.float32)  # rows in position order
+            lp[found] = log_softmax(out[f"logits{i}"][:found.sum()], np.float32)  # rows in position order
             tables.append(TokenLogprobs(s, self.vocab_size, lp, present=found))
         return tables
 

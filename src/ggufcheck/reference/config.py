@@ -157,6 +157,9 @@ def config_from_spec(spec: "ArchSpec", tensor_names: Iterable[str]) -> Reference
                           mscale_all_dim=rope.mscale_all_dim)
     elif rope.scaling not in (None, "none", "linear"):
         raise Unavailable(f"rope scaling {rope.scaling!r} is not implemented by the reference")
+    if "rope_factors_long.weight" in names:
+        raise Unavailable("LongRoPE (rope_factors_long / rope_factors_short, Phi-3 128k models) is not implemented "
+                          "by the reference")
     fields: dict[str, Any] = {}
     if rope.scaling == "linear":  # positions / factor (llama.cpp freq_scale = 1 / factor)
         fields["rope_freq_scale"] = 1.0 / rope.factor

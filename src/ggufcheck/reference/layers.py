@@ -259,7 +259,11 @@ def ffn_block(cfg: ReferenceConfig, w: dict[str, Tensor], x: Tensor, moe_layer: 
     """
     if not moe_layer:
         act = geglu if cfg.ffn_act == "gelu_tanh" else swiglu
-        out = act(x, w["ffn_gate.weight"], w["ffn_up.weight"], w["ffn_down.weight"])
+        if "ffn_gate.weight" in w:
+            gate, up = w["ffn_gate.weight"], w["ffn_up.weight"]
+        else:  # phi3: ffn_up holds [gate rows; up rows] (llama.cpp LLM_FFN_SWIGLU on the fused output)
+            gate, up = w["ffn_up.weight"].chunk(2, dim=0)
+        out = act(x, gate, up, w["ffn_down.weight"])
         if "post_ffw_norm.weight" in w:  # gemma: the block's output is normed before the residual add
             out = rms_norm(out, w["post_ffw_norm.weight"], cfg.rms_eps)
         return FFNParts(out=out)

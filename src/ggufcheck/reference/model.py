@@ -154,11 +154,14 @@ class ReferenceModel:
     def head(self, hidden: Tensor) -> Tensor:
         """Final norm and output head: residual [T, D] -> logits [T, vocab]."""
         x = rms_norm(hidden, self.weights.global_tensor("output_norm.weight"), self.cfg.rms_eps)
-        with emulating(self.emulation):
-            chunks = [linear(x, w) for _, w in self.weights.head_chunks(HEAD_CHUNK_ROWS)]  # [T, rows] each
-        logits = torch.cat(chunks, dim=-1)
+        logits = torch.empty((x.shape[0], self.cfg.n_vocab), dtype=x.dtype, device=x.device)  # filled in place:
+        with emulating(self.emulation):  # a [T, V] concatenation would hold the logits twice
+            for start, w in self.weights.head_chunks(HEAD_CHUNK_ROWS):
+                logits[:, start:start + w.shape[0]] = linear(x, w)  # [T, rows]
         cap = self.cfg.final_softcap
-        return cap * torch.tanh(logits / cap) if cap > 0 else logits
+        if cap > 0:
+            logits.div_(cap).tanh_().mul_(cap)
+        return logits
 
     # -- whole passes ----------------------------------------------------------------
     @torch.no_grad()

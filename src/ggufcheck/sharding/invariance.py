@@ -233,7 +233,9 @@ def unsharded(cfg: ReferenceConfig, job: LayerJob) -> dict[str, Tensor]:
         _, q_nope, q_pe = ref_mla.project_q(cfg, w, inp["x"])
         return {"out": ref_mla.mla_attention(cfg, w, inp["x"], q_nope, q_pe, rope, causal_mask(pos, pos), LayerCache())}
     if job.kind == "dense_ffn":
-        return {"out": swiglu(inp["x"], w["ffn_gate.weight"], w["ffn_up.weight"], w["ffn_down.weight"])}
+        # phi3 keeps [gate; up] in ffn_up
+        gate, up = (w["ffn_gate.weight"], w["ffn_up.weight"]) if "ffn_gate.weight" in w else w["ffn_up.weight"].chunk(2)
+        return {"out": swiglu(inp["x"], gate, up, w["ffn_down.weight"])}
     if job.kind == "moe":
         return {"out": moe_block(cfg, w, inp["x"])[0]}
     if job.kind == "embedding":

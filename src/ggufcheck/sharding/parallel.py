@@ -37,8 +37,8 @@ from ggufcheck.reference import dsa
 from ggufcheck.reference import mla as ref_mla
 from ggufcheck.reference.config import ReferenceConfig
 from ggufcheck.reference.cache import LayerCache
-from ggufcheck.reference.layers import (apply_rope, attention, causal_mask, linear, rms_norm, rope_cos_sin,
-                                        rope_inv_freq, route)
+from ggufcheck.reference.layers import (SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, apply_rope, attention, causal_mask,
+                                        linear, rms_norm, rope_cos_sin, rope_inv_freq, route)
 from ggufcheck.sharding.dist import RankContext
 from ggufcheck.sharding.mla import KV_B_RULE, VLLM_LAYOUT, KvBLayout
 from ggufcheck.sharding.rules import Loader, ShardRule, rule_for, shard, vocab_range
@@ -106,6 +106,16 @@ class _Rank:
         n_kv = self.cfg.n_head_kv if not self.cfg.is_mla else 0
         return self.ctx.to(self.loader(full, rule_for(name, self.rules), self.ctx.rank, self.ctx.world_size, n_kv))
 
+    def qkv_section(self, index: int) -> Tensor:
+        """This rank's rows of section ``index`` (0 q, 1 k, 2 v) of phi3's fused attn_qkv: vLLM's
+        QKVParallelLinear splits q by query heads and k, v by kv heads (replicated when TP
+        exceeds them), each section by itself, never the fused whole."""
+        cfg = self.cfg
+        sizes = [cfg.n_head * cfg.head_dim_k, cfg.n_head_kv * cfg.head_dim_k, cfg.n_head_kv * cfg.head_dim_v]
+        full = self.job.weights["attn_qkv.weight"].split(sizes, dim=0)[index]
+        rule = ShardRule("column", 0, unit=cfg.head_dim_v if index == 2 else cfg.head_dim_k, kv_heads=index > 0)
+        return self.ctx.to(self.loader(full, rule, self.ctx.rank, self.ctx.world_size, cfg.n_head_kv))
+
     def input(self, name: str) -> Tensor:
         return self.ctx.to(self.job.inputs[name])
 
@@ -128,9 +138,12 @@ def attention_tp(r: _Rank) -> Tensor:
     """GQA attention: column-parallel q/k/v by head, row-parallel o_proj + all-reduce -> [T, D]."""
     cfg, x = r.cfg, r.input("x")
     n_tok, tp = x.shape[0], r.ctx.world_size
-    q = linear(x, r.piece("attn_q.weight"), r.piece("attn_q.bias"))  # [T, Hl*d]
-    k = linear(x, r.piece("attn_k.weight"), r.piece("attn_k.bias"))  # [T, Gl*d]
-    v = linear(x, r.piece("attn_v.weight"), r.piece("attn_v.bias"))  # [T, Gl*dv]
+    if "attn_qkv.weight" in r.job.weights:  # phi3: [q; k; v] fused, each section split by heads
+        q, k, v = (linear(x, r.qkv_section(j)) for j in range(3))
+    else:
+        q = linear(x, r.piece("attn_q.weight"), r.piece("attn_q.bias"))  # [T, Hl*d]
+        k = linear(x, r.piece("attn_k.weight"), r.piece("attn_k.bias"))  # [T, Gl*d]
+        v = linear(x, r.piece("attn_v.weight"), r.piece("attn_v.bias"))  # [T, Gl*dv]
     q = q.view(n_tok, cfg.n_head // tp, cfg.head_dim_k)  # [T, Hl, d]
     k = k.view(n_tok, -1, cfg.head_dim_k)  # [T, Gl, d]
     v = v.view(n_tok, -1, cfg.head_dim_v)  # [T, Gl, dv]
@@ -140,7 +153,7 @@ def attention_tp(r: _Rank) -> Tensor:
     cos, sin = r.rope()
     q, k = apply_rope(q, cos, sin, cfg.rope_mode), apply_rope(k, cos, sin, cfg.rope_mode)
     pos = r.input("pos")
-    o = attention(q, k, v, causal_mask(pos, pos), cfg.kq_scale)  # [T, Hl, dv]
+    o = attention(q, k, v, causal_mask(pos, pos), cfg.kq_scale, r.piece("attn_sinks.weight"))  # [T, Hl, dv]
     partial = linear(o.reshape(n_tok, -1), r.piece("attn_output.weight"))  # row-parallel: [T, D]
     out = r.ctx.all_reduce(partial)
     bias = r.job.weights.get("attn_output.bias")
@@ -195,7 +208,11 @@ def _swiglu_partial(x: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
 def dense_ffn_tp(r: _Rank) -> Tensor:
     """Dense SwiGLU: merged gate_up column-parallel, down row-parallel, all-reduce -> [T, D]."""
     x = r.input("x")
-    partial = _swiglu_partial(x, _merged_gate_up(r, "ffn_gate.weight", "ffn_up.weight"), r.piece("ffn_down.weight"))
+    if "ffn_gate.weight" in r.job.weights:
+        gate_up = _merged_gate_up(r, "ffn_gate.weight", "ffn_up.weight")
+    else:  # phi3: ffn_up is [gate; up]; its rule has two parts, each split on its own: [gate_r; up_r]
+        gate_up = r.piece("ffn_up.weight")
+    partial = _swiglu_partial(x, gate_up, r.piece("ffn_down.weight"))
     return r.ctx.all_reduce(partial)
 
 
@@ -209,9 +226,11 @@ def moe_tp(r: _Rank) -> Tensor:
     """Routed experts + shared expert under TP: one all-reduce of all partials -> [T, D]."""
     cfg, x = r.cfg, r.input("x")
     gate_inp, bias = r.piece("ffn_gate_inp.weight"), r.piece("exp_probs_b.bias")
-    ids, weights = route(x, gate_inp, bias, cfg)  # replicated: the same on every rank
+    ids, weights = route(x, gate_inp, bias, cfg, r.piece("ffn_gate_inp.bias"))  # replicated: the same on every rank
     fused = "ffn_gate_up_exps.weight" in r.job.weights
     partial = torch.zeros_like(x)
+    if cfg.ffn_act == "swiglu_oai":  # gpt-oss: biased experts, the clamped SwiGLU
+        return r.ctx.all_reduce(_oai_experts_partial(r, x, ids, weights))
     for e in torch.unique(ids).tolist():
         if fused:
             gate_up = _expert_piece(r, "ffn_gate_up_exps.weight", e)  # [2*Fl, D]: [gate_r ; up_r]
@@ -226,6 +245,24 @@ def moe_tp(r: _Rank) -> Tensor:
         shared = _merged_gate_up(r, "ffn_gate_shexp.weight", "ffn_up_shexp.weight")
         partial = partial + _swiglu_partial(x, shared, r.piece("ffn_down_shexp.weight"))
     return r.ctx.all_reduce(partial)
+
+
+def _oai_experts_partial(r: _Rank, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+    """gpt-oss's experts on this rank's FF slice: gate / up rows and their biases
+    column-parallel, down row-parallel; the down bias is added by rank 0 only (once after the
+    all-reduce). The clamped SwiGLU is elementwise, so it runs on the slice as on the whole."""
+    partial = torch.zeros_like(x)
+    for e in torch.unique(ids).tolist():
+        tok, slot = torch.nonzero(ids == e, as_tuple=True)
+        xe = x[tok]
+        g = linear(xe, _expert_piece(r, "ffn_gate_exps.weight", e), _expert_piece(r, "ffn_gate_exps.bias", e))
+        u = linear(xe, _expert_piece(r, "ffn_up_exps.weight", e), _expert_piece(r, "ffn_up_exps.bias", e))
+        g, u = g.clamp(max=SWIGLU_OAI_LIMIT), u.clamp(-SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
+        y = linear(g * torch.sigmoid(SWIGLU_OAI_ALPHA * g) * (u + 1), _expert_piece(r, "ffn_down_exps.weight", e))
+        if r.ctx.rank == 0:
+            y = y + r.ctx.to(r.job.weights["ffn_down_exps.bias"][e])
+        partial.index_add_(0, tok, y * weights[tok, slot, None])
+    return partial
 
 
 def embedding_tp(r: _Rank) -> dict[str, Tensor]:

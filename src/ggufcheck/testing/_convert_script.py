@@ -8,7 +8,7 @@ Tiny random models have no tokenizer files, so every model class's ``set_vocab``
 by one that copies a real vocabulary (SmolLM2's, from its GGUF) into the output. The weights
 are converted by llama.cpp's code unchanged.
 
-Usage: python _convert_script.py LLAMA_CPP_DIR VOCAB_GGUF HF_DIR OUT.gguf OUTTYPE
+Usage: python _convert_script.py LLAMA_CPP_DIR VOCAB_GGUF HF_DIR OUT.gguf OUTTYPE [converter options]
 """
 
 import importlib
@@ -44,7 +44,7 @@ def _patch_vocab(gguf, text_model_cls, vocab_gguf: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    llama_cpp_dir, vocab_gguf, hf_dir, out_file, out_type = argv
+    llama_cpp_dir, vocab_gguf, hf_dir, out_file, out_type = argv[:5]
     here = os.path.dirname(os.path.abspath(__file__))  # keep this package dir off the path
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
     sys.path.insert(0, llama_cpp_dir + "/gguf-py")  # the converter expects its own gguf-py
@@ -59,7 +59,7 @@ def main(argv: list[str]) -> None:
         importlib.import_module(f"conversion.{module.name}")
     _patch_vocab(gguf, TextModel, vocab_gguf)
 
-    sys.argv = ["convert_hf_to_gguf.py", hf_dir, "--outfile", out_file, "--outtype", out_type]
+    sys.argv = ["convert_hf_to_gguf.py", hf_dir, "--outfile", out_file, "--outtype", out_type, *argv[5:]]
     convert_hf_to_gguf.main()
 
 

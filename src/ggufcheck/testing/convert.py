@@ -67,6 +67,12 @@ HF_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
         **_COMMON, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32)),
+    # Phi-3: q/k/v fused (qkv_proj) and gate/up fused (gate_up_proj), GQA 4/2, no sliding
+    # window (llama.cpp switches Phi SWA off: with one, the two differ past the window).
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
+        **_COMMON, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        sliding_window=None, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "original_max_position_embeddings": 512})),
     # Gemma 3 text: GQA 4/2, head_dim 32, q/k norms, sandwich norms, GeGLU, tied output;
     # 6 layers = the default pattern's 5 sliding-window layers and 1 global; a window of 8
     # so prompts cross it. query_pre_attn_scalar = head_dim, the q scale llama.cpp applies to
@@ -281,6 +287,10 @@ def convert_to_gguf(hf_dir: str | Path, out_path: str | Path, outtype: str = "f3
     script = Path(__file__).with_name("_convert_script.py")
     out = Path(out_path)
     cmd = [sys.executable, str(script), str(llama_cpp), str(vocab), str(hf_dir), str(out), outtype]
+    if "phi3" in Path(hf_dir).name:
+        # llama.cpp sets token attributes by general.name: a "phi3" name requires <s>, </s> and
+        # <unk> in the vocabulary (llama-vocab.cpp), which the copied byte-level one lacks
+        cmd += ["--model-name", "ggufcheck-tiny"]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     env.pop("PYTHONPATH", None)
     try:

@@ -31,7 +31,7 @@ from ggufcheck.arch.families import archs
 from ggufcheck.errors import GGUFCheckError
 from ggufcheck.testing import qblocks
 
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss", "glm4moe", "deepseek2", "glm-dsa")
+ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma3", "qwen3moe", "gpt-oss", "glm4moe", "deepseek2", "glm-dsa")
 _MOE_ARCHS = archs(moe=True)  # arch/families.py
 _MLA_ARCHS = archs(mla=True)
 _GEMMA_ARCHS = archs(gemma=True)
@@ -121,6 +121,8 @@ DEFAULT_DIMS: dict[str, TinyDims] = {
     "llama": TinyDims("llama", n_layer=2, rms_eps=1e-6),
     "qwen2": TinyDims("qwen2", n_layer=2, rms_eps=1e-6, attn_bias=True),
     "qwen3": TinyDims("qwen3", n_layer=2, rms_eps=1e-6, head_dim=32, qk_norm=True),
+    # phi3: q/k/v fused in attn_qkv, gate/up in ffn_up, head dim D / H (its converter derives it)
+    "phi3": TinyDims("phi3", n_layer=2, rms_eps=1e-5),
     # gemma3: 6 layers so that llama.cpp's default pattern has one global layer (5); a window
     # of 8 so that every prompt crosses it; q/k norms, tied output, sandwich norms, GeGLU
     "gemma3": TinyDims("gemma3", n_layer=6, rms_eps=1e-6, head_dim=32, qk_norm=True, tied_output=True,
@@ -191,6 +193,8 @@ def tensor_shapes(d: TinyDims) -> dict[str, tuple[int, ...]]:
 
 def _gqa_attention(d: TinyDims) -> dict[str, tuple[int, ...]]:
     D, q_out, kv_out = d.n_embd, d.n_head * d.head_dim, d.n_head_kv * d.head_dim
+    if d.arch == "phi3":  # [q; k; v] in one tensor
+        return {"attn_qkv.weight": (q_out + 2 * kv_out, D), "attn_output.weight": (D, q_out)}
     t: dict[str, tuple[int, ...]] = {"attn_q.weight": (q_out, D), "attn_k.weight": (kv_out, D),
                                      "attn_v.weight": (kv_out, D)}
     if d.attn_bias:
@@ -237,6 +241,8 @@ def _indexer(d: TinyDims) -> dict[str, tuple[int, ...]]:
 
 def _dense_ffn(d: TinyDims) -> dict[str, tuple[int, ...]]:
     D, F = d.n_embd, d.n_ff
+    if d.arch == "phi3":  # [gate; up] in ffn_up
+        return {"ffn_up.weight": (2 * F, D), "ffn_down.weight": (D, F)}
     return {"ffn_gate.weight": (F, D), "ffn_up.weight": (F, D), "ffn_down.weight": (D, F)}
 
 
@@ -293,8 +299,11 @@ def metadata(d: TinyDims, file_type: int | None = None) -> dict[str, tuple[Any, 
     # qwen2 has no key_length / rope.dimension_count, qwen2/3 and glm4moe no vocab_size).
     if a in ("llama", *_MLA_ARCHS):
         kv[f"{a}.vocab_size"] = (d.n_vocab, T.UINT32)
-    if a in ("llama", "glm4moe", *_MLA_ARCHS):
+    if a in ("llama", "glm4moe", "phi3", *_MLA_ARCHS):
         kv[f"{a}.rope.dimension_count"] = (d.rot, T.UINT32)
+    if a == "phi3":  # its converter: the original context, and a window (0 = none)
+        kv[f"{a}.rope.scaling.original_context_length"] = (d.context_length, T.UINT32)
+        kv[f"{a}.attention.sliding_window"] = (d.swa_window, T.UINT32)
     if a in _MLA_ARCHS and d.kv_b == "fused":  # legacy files: the MHA view, no *_mla keys
         kv.update({
             f"{a}.attention.head_count_kv": (d.n_head, T.UINT32),
@@ -317,7 +326,7 @@ def metadata(d: TinyDims, file_type: int | None = None) -> dict[str, tuple[Any, 
             kv[f"{a}.attention.q_lora_rank"] = (d.q_lora_rank, T.UINT32)
     else:
         kv[f"{a}.attention.head_count_kv"] = (d.n_head_kv, T.UINT32)
-        if a != "qwen2":
+        if a not in ("qwen2", "phi3"):
             kv.update({
                 f"{a}.attention.key_length": (d.head_dim, T.UINT32),
                 f"{a}.attention.value_length": (d.head_dim, T.UINT32),
@@ -352,7 +361,7 @@ def metadata(d: TinyDims, file_type: int | None = None) -> dict[str, tuple[Any, 
         })
         if d.yarn_log_mul:  # deepseek2's converter writes it; gpt-oss's does not
             kv[f"{a}.rope.scaling.yarn_log_multiplier"] = (d.yarn_log_mul, T.FLOAT32)
-    if d.swa_window:  # and gemma3's local rope base, as the converter writes it
+    if d.swa_window and a != "phi3":  # and gemma3's local rope base, as the converter writes it
         kv[f"{a}.attention.sliding_window"] = (d.swa_window, T.UINT32)
         if a in _GEMMA_ARCHS:
             kv[f"{a}.rope.freq_base_swa"] = (10000.0, T.FLOAT32)

@@ -1,4 +1,4 @@
-"""Tensor tables of the GQA families: llama, qwen2, qwen3 (and the attention of glm4moe).
+"""Tensor tables of the GQA families: llama, qwen2, qwen3, phi3 (and the attention of glm4moe).
 
 Sources: llama.cpp conversion/llama.py (LlamaModel.permute on q/k weights and biases),
 conversion/qwen.py (no permutation), loaders src/models/llama.cpp, qwen2.cpp, qwen3.cpp
@@ -10,7 +10,7 @@ Qwen2Attention bias=True on q/k/v, Qwen3Attention q_norm / k_norm over head_dim)
 from __future__ import annotations
 
 from ggufcheck.arch.table import Row, Shard, ShardKind, TensorTable
-from ggufcheck.arch.tables.common import DENSE_FFN, GLOBAL, L, ROPE_FREQS, row
+from ggufcheck.arch.tables.common import DENSE_FFN, GLOBAL, ROW, L, ROPE_FREQS, row
 
 A = L + "self_attn."
 _Q = Shard(ShardKind.COLUMN, 0, unit="hd")
@@ -70,3 +70,25 @@ QWEN2 = TensorTable("qwen2", GLOBAL + gqa_attention(
 QWEN3 = TensorTable("qwen3", GLOBAL + gqa_attention(
     permute=False, bias="optional", qk_norm="required") + DENSE_FFN,
     source="conversion/qwen.py Qwen3Model; src/models/qwen3.cpp; modeling_qwen3.py")
+
+# phi3: q, k and v fused in attn_qkv ([q rows; k rows; v rows], as HF's qkv_proj) and gate and
+# up in ffn_up ([gate rows; up rows], as HF's gate_up_proj); LongRoPE factors when present.
+# vLLM splits each section of a fused tensor by itself (QKVParallelLinear,
+# MergedColumnParallelLinear): a plain split of the whole would mix them.
+_FUSED = Shard(ShardKind.COLUMN, 0, unit="1", note="fused sections: vLLM splits q / k / v (gate / up) each")
+PHI3 = TensorTable("phi3", GLOBAL + (
+    row("blk.{i}.attn_norm.weight", "D", L + "input_layernorm.weight", src="constants.py ATTN_NORM"),
+    row("blk.{i}.attn_qkv.weight", "(H+2*Hkv)*hd, D", A + "qkv_proj.weight", _FUSED,
+        src="constants.py ATTN_QKV; conversion/phi.py (Phi3's qkv_proj as is); phi3.cpp build_qkv"),
+    row("blk.{i}.attn_output.weight", "D, H*hd", A + "o_proj.weight", _O, src="constants.py ATTN_OUT"),
+    row("blk.{i}.ffn_norm.weight", "D", L + "post_attention_layernorm.weight",
+        src="the pre-FFN norm: transformers post_attention_layernorm"),
+    row("blk.{i}.ffn_up.weight", "2*F, D", L + "mlp.gate_up_proj.weight", _FUSED, "dense_ffn",
+        src="constants.py FFN_UP; phi3.cpp {n_embd, 2 * n_ff}: LLM_FFN_SWIGLU on [gate; up]; Phi3MLP.gate_up_proj"),
+    row("blk.{i}.ffn_down.weight", "D, F", L + "mlp.down_proj.weight", ROW, "dense_ffn",
+        src="constants.py FFN_DOWN; Phi3MLP.down_proj"),
+    row("rope_factors_long.weight", "n_rot//2", None, part="global", required=False,
+        src="phi3.cpp ROPE_FACTORS_LONG (LongRoPE, 128k models), TENSOR_NOT_REQUIRED"),
+    row("rope_factors_short.weight", "n_rot//2", None, part="global", required=False,
+        src="phi3.cpp ROPE_FACTORS_SHORT, TENSOR_NOT_REQUIRED"),
+), source="conversion/phi.py Phi3MiniModel; src/models/phi3.cpp; modeling_phi3.py")
