@@ -28,7 +28,7 @@ from ggufcheck.errors import GGUFCheckError
 from ggufcheck.testing.faults import FAULTS, fault_layer, make_faulty_engine
 from ggufcheck.testing.tiny import build_tiny_gguf
 
-ARCHS = ("llama", "qwen2", "gemma3", "qwen3moe", "deepseek2", "glm4moe", "glm-dsa")
+ARCHS = ("llama", "qwen2", "phi3", "gemma3", "qwen3moe", "gpt-oss", "deepseek2", "glm4moe", "glm-dsa")
 ENGINES = ("reference", "hf", "llama-cpp")
 # 1e-5 <-> 1e-6 in one norm is below the fp32 class's resolution on the MoE / MLA tiny models:
 # it moves the last layer's residual by 8.8e-6 (deepseek2) and 7.4e-6 (glm-dsa), ~3x an fp32

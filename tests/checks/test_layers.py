@@ -33,7 +33,7 @@ LAYER_FAULTS = {  # arch -> the faults the layers stage must name on it
                 "gating-swapped"],
     "phi3": ["rope-pairing-swapped", "norm-eps-wrong", "attention-scale-wrong", "block-scale-corrupted"],
     "gpt-oss": ["attention-sinks-ignored", "sliding-window-ignored", "experts-permuted", "gating-swapped",
-                "rope-pairing-swapped", "attention-scale-wrong"],
+                "allreduce-doubled", "rope-pairing-swapped", "attention-scale-wrong"],
     "qwen3moe": ["experts-permuted", "gating-swapped", "rope-pairing-swapped", "attention-scale-wrong"],
     "gemma3": ["sliding-window-ignored", "swa-rope-base-wrong", "rope-pairing-swapped", "norm-eps-wrong",
                "attention-scale-wrong", "block-scale-corrupted"],

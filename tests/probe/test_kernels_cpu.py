@@ -76,3 +76,42 @@ def test_model_shapes_and_real_data_from_smollm2(tmp_path):
     assert "real layer-0 q/k/v" in notes["attention"] and "Q4_1" in " ".join(notes)
     gqa = [r for r in report.results if r.stats.get("case", "").startswith("sdpa.math.gqa_9x3_64")]
     assert gqa and all(r.status == Status.PASS for r in gqa)
+
+
+def test_sliding_window_models_get_windowed_attention_cases(tiny_converted):
+    """gemma3's sliding-window layers (window 8 in the tiny model): an attention case with the
+    window's mask next to the full one; torch's math backend agrees with the fp64 reference
+    there (an engine whose windowed kernel ignored the mask would not)."""
+    from ggufcheck.gguf.reader import open_gguf
+
+    path = tiny_converted("gemma3").gguf_path
+    with open_gguf(path) as model:
+        shapes = model_shapes(model)
+    assert shapes.window == 8
+    report = run_kernel_stage(KernelOptions(model=path, only=("sdpa",)))
+    assert not [r for r in report.results if r.failed], [r.message for r in report.results if r.failed]
+    cases = {r.stats.get("case"): r for r in report.results}
+    windowed = [c for c in cases if c and "_swa8." in c and c.startswith("sdpa.math.")]
+    assert windowed and all(cases[c].status == Status.PASS for c in windowed), windowed
+
+
+def test_the_probe_window_mask_is_llama_cpps(monkeypatch):
+    """Query i sees key j when j <= i and i - j < window (llama.cpp LLAMA_SWA_TYPE_STANDARD),
+    also bottom-right aligned for decode-like shapes (T < S): the same rule as the reference's
+    ``causal_mask``."""
+    import importlib.util
+    from pathlib import Path
+
+    import ggufcheck.probe as probe
+    from ggufcheck.reference.layers import causal_mask
+
+    scripts = Path(probe.__file__).parent / "scripts"
+    monkeypatch.syspath_prepend(str(scripts))  # the script imports its sibling as the probe does
+    spec = importlib.util.spec_from_file_location("probe_kernels", scripts / "ggufcheck_probe_kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.torch = torch  # the probe imports torch in its target interpreter at run time
+    for t, s, w in ((6, 6, 3), (2, 7, 4), (5, 5, 0)):
+        got = module.attention_mask(t, s, "cpu", w)
+        want = causal_mask(torch.arange(s - t, s), torch.arange(s), w)
+        assert torch.equal(got, want), (t, s, w)

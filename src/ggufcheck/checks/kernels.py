@@ -67,6 +67,7 @@ class ModelShapes:
     gating: str = "softmax"
     indexer: tuple[int, int, int] | None = None  # (heads, key_length, top_k)
     qtypes: tuple[str, ...] = ()
+    window: int = 0  # sliding-window layers (gemma3, gpt-oss, phi3): their attention gets its own cases
 
 
 @dataclass(frozen=True)
@@ -183,9 +184,13 @@ def attention_shapes(shapes: ModelShapes | None) -> list[dict]:
         ]
     ratio = max(1, shapes.heads // max(1, shapes.kv_heads))
     h = max(ratio, (h // ratio) * ratio)
-    return [{"name": f"gqa_{shapes.heads}x{shapes.kv_heads}_{shapes.head_dim_qk}", "h": h,
-             "g": h // ratio, "t": 1024, "s": 1024, "d": shapes.head_dim_qk, "e": shapes.head_dim_v,
-             "causal": True}]
+    full = {"name": f"gqa_{shapes.heads}x{shapes.kv_heads}_{shapes.head_dim_qk}", "h": h,
+            "g": h // ratio, "t": 1024, "s": 1024, "d": shapes.head_dim_qk, "e": shapes.head_dim_v,
+            "causal": True}
+    if not shapes.window or shapes.window >= full["s"]:
+        return [full]
+    # the sliding-window layers' attention: a mask SDPA's flash backend declines, flash-attn's window_size
+    return [full, dict(full, name=f"{full['name']}_swa{shapes.window}", window=shapes.window)]
 
 
 # ----------------------------------------------------------------------------- model data
@@ -210,7 +215,7 @@ def model_shapes(model) -> ModelShapes:
             experts_used=spec.moe.n_used if spec.moe else 0,
             gating=spec.moe.gating.value if spec.moe else "softmax",
             indexer=(spec.indexer.n_head, spec.indexer.head_dim, spec.indexer.top_k)
-            if spec.indexer else None, qtypes=qtypes)
+            if spec.indexer else None, qtypes=qtypes, window=spec.swa.window if spec.swa else 0)
     return _shapes_from_metadata(model, qtypes)
 
 

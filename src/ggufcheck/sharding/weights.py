@@ -71,7 +71,10 @@ def hf_params(spec: ArchSpec, table: TensorTable, names, layout: str = "checkpoi
             rule = ShardRule("column", 0)
         else:
             rule = base
-        if g.transform in ("unstack_experts", "fuse_gate_up", "split_fused_gate_up"):
+        # gpt-oss's fused experts (oai_*, transpose_experts): the component, and the GGUF row's rule
+        # as is (a TP audit of its HF [E, D, 2Fe] layout is not modeled)
+        if g.transform in ("unstack_experts", "fuse_gate_up", "split_fused_gate_up", "oai_gate_up",
+                           "oai_gate_up_bias", "transpose_experts"):
             component = "moe-experts"  # a wrong routed-expert parameter (e.g. experts in the wrong order)
         for name in transform.hf_names(spec, g.hf_name):
             out[name] = HFParam(name, rule, g, component)

@@ -286,7 +286,8 @@ def metadata(d: TinyDims, file_type: int | None = None) -> dict[str, tuple[Any, 
     kv: dict[str, tuple[Any, T]] = {
         "general.architecture": (a, T.STRING),
         "general.type": ("model", T.STRING),
-        "general.name": (f"ggufcheck tiny {a}", T.STRING),
+        # (not "phi3": llama.cpp then requires <s>, </s>, <unk> in the vocabulary, llama-vocab.cpp)
+        "general.name": (f"ggufcheck tiny {a.replace('phi3', 'phi 3')}", T.STRING),
         f"{a}.block_count": (d.block_count, T.UINT32),
         f"{a}.context_length": (d.context_length, T.UINT32),
         f"{a}.embedding_length": (d.n_embd, T.UINT32),

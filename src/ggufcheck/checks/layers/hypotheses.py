@@ -73,12 +73,17 @@ def hypotheses_ffn(cfg, moe_layer: bool) -> list[tuple[str, str, dict | None, Ca
     return out
 
 
-def integer_factor(pairs, limit: float, block: str, tp: int) -> tuple[str | None, str | None]:
+def integer_factor(pairs, limit: float, block: str, tp: int, bias=None) -> tuple[str | None, str | None]:
     """("sharding", how) when the engine's block output is the reference's times an integer
     factor >= 2 (within the limit after scaling): a tensor-parallel partial sum all-reduced
-    twice, or summed without the division; (None, None) otherwise."""
+    twice, or summed without the division; (None, None) otherwise. ``bias`` [D]: the block's
+    output bias (gpt-oss's attn_output.bias), added once after the all-reduce, so it is taken
+    off both sides before the fit."""
     if not pairs:
         return None, None
+    if bias is not None:
+        b = bias.to(torch.float64).cpu()
+        pairs = [(e - b, r - b) for e, r in pairs]
     num = sum(float((e * r).sum()) for e, r in pairs)
     den = sum(float((r * r).sum()) for _e, r in pairs)
     if den <= 0:

@@ -169,7 +169,7 @@ def localize(i: int, runs, reference, baseline_reference, kinds: set[str], opts:
         else:
             comp, how = match_block(hyp_inputs, rep, a_limit, hypotheses_attention(cfg), "attn_out", margin)
         if comp is None:
-            comp, how = integer_factor(a_fit, a_limit, "attention", tp)
+            comp, how = integer_factor(a_fit, a_limit, "attention", tp, rep.w.get("attn_output.bias"))
         indexer_bad = any(r.check == "layers.indexer" and r.status.value == "FAIL" for r in results)
         if comp is None:
             comp = "indexer" if indexer_bad else "attention"

@@ -60,7 +60,17 @@ SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
                  "cudnn": "CUDNN_ATTENTION", "math": "MATH"}
 
 
-def attention_fp64(q, k, v, scale, causal):
+def attention_mask(t_len, s_len, device, window=0):
+    """(T, S) bool: bottom-right aligned causal (query i sees keys j <= i + (S - T), top-left
+    when T == S); with a sliding ``window`` > 0 only keys with (i + S - T) - j < window
+    (gemma3, gpt-oss: llama.cpp LLAMA_SWA_TYPE_STANDARD)."""
+    mask = torch.ones(t_len, s_len, dtype=torch.bool, device=device).tril(s_len - t_len)
+    if window:
+        mask &= ~torch.ones(t_len, s_len, dtype=torch.bool, device=device).tril(s_len - t_len - window)
+    return mask
+
+
+def attention_fp64(q, k, v, scale, causal, window=0):
     """(B,H,T,D) x (B,G,S,D) x (B,G,S,E) -> (B,H,T,E) in fp64; G divides H (GQA)."""
     q, k, v = (t.to(torch.float64) for t in (q, k, v))
     h, g = q.shape[1], k.shape[1]
@@ -69,14 +79,11 @@ def attention_fp64(q, k, v, scale, causal):
         v = v.repeat_interleave(h // g, dim=1)
     s = (q @ k.transpose(-1, -2)) * scale  # (B,H,T,S)
     if causal:
-        t_len, s_len = s.shape[-2], s.shape[-1]
-        # bottom-right aligned: query i sees keys j <= i + (S - T) (== top-left when T == S)
-        mask = torch.ones(t_len, s_len, dtype=torch.bool, device=s.device).tril(s_len - t_len)
-        s = s.masked_fill(~mask, -math.inf)
+        s = s.masked_fill(~attention_mask(s.shape[-2], s.shape[-1], s.device, window), -math.inf)
     return torch.softmax(s, dim=-1) @ v
 
 
-def attention_in_dtype(q, k, v, scale, causal):
+def attention_in_dtype(q, k, v, scale, causal, window=0):
     """The honest baseline: the same math with every op in the inputs' dtype."""
     h, g = q.shape[1], k.shape[1]
     if g != h:
@@ -84,9 +91,7 @@ def attention_in_dtype(q, k, v, scale, causal):
         v = v.repeat_interleave(h // g, dim=1)
     s = (q @ k.transpose(-1, -2)) * scale
     if causal:
-        t_len, s_len = s.shape[-2], s.shape[-1]
-        mask = torch.ones(t_len, s_len, dtype=torch.bool, device=s.device).tril(s_len - t_len)
-        s = s.masked_fill(~mask, -math.inf)
+        s = s.masked_fill(~attention_mask(s.shape[-2], s.shape[-1], s.device, window), -math.inf)
     return torch.softmax(s, dim=-1) @ v
 
 
@@ -107,7 +112,8 @@ def attention_inputs(shape: dict, dtype: str, device: str, seed: int, data: dict
         k = _randn((b, g, s, d), dt, device, seed + 1)
         v = _randn((b, g, s, e), dt, device, seed + 2)
     scale = shape.get("scale") or 1.0 / math.sqrt(d)
-    return {"q": q, "k": k, "v": v, "scale": scale, "causal": bool(shape.get("causal"))}
+    return {"q": q, "k": k, "v": v, "scale": scale, "causal": bool(shape.get("causal")),
+            "window": int(shape.get("window", 0))}
 
 
 def _sdpa_reasons(caught) -> str:
@@ -140,6 +146,10 @@ def sdpa_case(spec: dict, data: dict | None) -> KernelCase:
         with warnings.catch_warnings(record=True) as caught, sdpa_kernel([sdp_backend]):
             warnings.simplefilter("always")
             try:
+                if x["window"]:  # a sliding window is an explicit mask (flash declines masks)
+                    mask = attention_mask(x["q"].shape[-2], x["k"].shape[-2], x["q"].device, x["window"])
+                    return torch.nn.functional.scaled_dot_product_attention(
+                        x["q"], x["k"], x["v"], attn_mask=mask, scale=x["scale"], enable_gqa=gqa)
                 return torch.nn.functional.scaled_dot_product_attention(
                     x["q"], x["k"], x["v"], is_causal=x["causal"], scale=x["scale"],
                     enable_gqa=gqa)
@@ -152,8 +162,8 @@ def sdpa_case(spec: dict, data: dict | None) -> KernelCase:
         id=spec["id"], kind="sdpa", dtype=dtype, device=device, load=load,
         prepare=lambda: attention_inputs(shape, dtype, device, spec.get("seed", 0), data),
         execute=execute,
-        reference=lambda x: attention_fp64(x["q"], x["k"], x["v"], x["scale"], x["causal"]),
-        baseline=lambda x: attention_in_dtype(x["q"], x["k"], x["v"], x["scale"], x["causal"]),
+        reference=lambda x: attention_fp64(x["q"], x["k"], x["v"], x["scale"], x["causal"], x["window"]),
+        baseline=lambda x: attention_in_dtype(x["q"], x["k"], x["v"], x["scale"], x["causal"], x["window"]),
         baseline_doc="same attention math with every op in the dtype (plain torch matmul/softmax)",
         out_spec=lambda x: ((*x["q"].shape[:-1], x["v"].shape[-1]), x["q"].dtype),
         info={"backend": backend, "shape": shape})
@@ -182,11 +192,14 @@ def varlen_case(spec: dict, data: dict | None) -> KernelCase:
                 "v": _randn((total, g, e), dt, device, seed + 2),
                 "cu": cu, "max": max(seqlens), "scale": 1.0 / math.sqrt(d)}
 
+    window = int(shape.get("window", 0))
+
     def execute(fn, x, out):
+        extra = {"window_size": (window - 1, 0)} if window else {}  # flash-attn: keys i - (w - 1) .. i
         try:
             y = fn(x["q"], x["k"], x["v"], cu_seqlens_q=x["cu"], cu_seqlens_k=x["cu"],
                    max_seqlen_q=x["max"], max_seqlen_k=x["max"], softmax_scale=x["scale"],
-                   causal=True)
+                   causal=True, **extra)
         except RuntimeError as exc:
             if "head" in str(exc).lower() and "dim" in str(exc).lower():
                 raise Unsupported(exception_text(exc)) from None
@@ -197,7 +210,7 @@ def varlen_case(spec: dict, data: dict | None) -> KernelCase:
         outs, starts = [], [0] + list(_cumsum(seqlens))
         for a, z in zip(starts[:-1], starts[1:]):
             q, k, v = (t[a:z].transpose(0, 1).unsqueeze(0) for t in (x["q"], x["k"], x["v"]))
-            outs.append(fn(q, k, v, x["scale"], True)[0].transpose(0, 1))  # (len, H, E)
+            outs.append(fn(q, k, v, x["scale"], True, window)[0].transpose(0, 1))  # (len, H, E)
         return torch.cat(outs)
 
     return KernelCase(
