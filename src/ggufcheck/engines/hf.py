@@ -98,7 +98,9 @@ def hf_config(spec: Any) -> dict[str, Any]:
                    norm_topk_prob=moe.weights_norm, routed_scaling_factor=moe.weights_scale,
                    n_group=moe.n_group, topk_group=moe.n_group_used)
     if spec.arch == "phi3":
-        cfg.update(sliding_window=spec.swa.window if spec.swa is not None else None, pad_token_id=0)
+        # Phi3Config defaults its special ids to 32000+ (outside small vocabularies): ggufcheck tokenizes itself
+        cfg.update(sliding_window=spec.swa.window if spec.swa is not None else None, pad_token_id=None,
+                   bos_token_id=None, eos_token_id=None)
     if spec.arch == "gpt-oss":  # GptOssConfig's own names
         moe, swa = spec.moe, spec.swa
         cfg.update(num_local_experts=moe.n_expert, num_experts_per_tok=moe.n_used, intermediate_size=moe.expert_ff,
