@@ -206,11 +206,11 @@ def test_deepseek2_defaults_and_legacy_layout():
 
 
 def test_unknown_architecture_is_generic():
-    meta = {"general.architecture": "phi3", "phi3.embedding_length": 640,
-            "phi3.block_count": 18, "phi3.attention.head_count": 4}
+    meta = {"general.architecture": "mamba", "mamba.embedding_length": 640,
+            "mamba.block_count": 18, "mamba.attention.head_count": 4}
     spec, findings = build_spec(meta, ["token_embd.weight"])
     assert findings == [] and isinstance(spec, GenericSpec) and not spec.supported
-    assert "no spec or tensor table for architecture 'phi3'" in spec.reason
+    assert "no spec or tensor table for architecture 'mamba'" in spec.reason
     assert (spec.n_embd, spec.n_block, spec.tied_output) == (640, 18, True)
     assert build_spec({})[1][0].key == "general.architecture"
 

@@ -396,24 +396,32 @@ def _build_gqa(keys: Keys, arch: str, n_embd: int, n_block: int, n_nextn: int, n
         return None
     check(keys, moe is None or moe.leading_dense == 0 or n_ff > 0, "feed_forward_length",
            "missing or 0, but leading dense layers need it")
-    fam = FAMILIES[arch]
-    gemma = _gemma(keys, n_block, n_embd, n_head, head_k) if fam.gemma else {}
-    if gemma is None:
+    extras = _window_and_scales(keys, arch, n_block, n_embd, n_head, head_k, rope)
+    if extras is None:
         return None
+    return ArchSpec(arch=arch, n_embd=n_embd, n_block=n_block, n_nextn=n_nextn,
+                    n_vocab=n_vocab, n_head=n_head, n_head_kv=n_head_kv, head_dim_k=head_k,
+                    head_dim_v=head_v, n_ff=n_ff, rms_eps=rms_eps, context_length=context,
+                    rope=rope, moe=moe, tied_output=tied, notes=tuple(keys.notes), **extras)
+
+
+def _window_and_scales(keys: Keys, arch: str, n_block: int, n_embd: int, n_head: int, head_dim: int,
+                       rope: Rope) -> dict[str, Any] | None:
+    """The ArchSpec fields of the families with sliding-window layers or their own scales:
+    gemma3 (``_gemma``), phi3 (``_phi3_window``), gpt-oss (the window required, its local layers
+    rotating as the global ones); {} for the others, None on a bad key."""
+    fam = FAMILIES[arch]
+    if fam.gemma:
+        return _gemma(keys, n_block, n_embd, n_head, head_dim)
     if arch == "phi3":
-        gemma = _phi3_window(keys, n_block, rope)
-        if gemma is None:
-            return None
-    if fam.swa_same_rope:  # gpt-oss: the window is required, the local layers rotate as the global ones
+        return _phi3_window(keys, n_block, rope)
+    if fam.swa_same_rope:
         window = keys.int("attention.sliding_window")
         layers = _swa_layers(keys, n_block, fam.swa_pattern)
         if window is None or layers is None:
             return None
-        gemma = dict(swa=SlidingWindow(window=window, layers=layers, rope_base=rope.base, same_rope=True))
-    return ArchSpec(arch=arch, n_embd=n_embd, n_block=n_block, n_nextn=n_nextn,
-                    n_vocab=n_vocab, n_head=n_head, n_head_kv=n_head_kv, head_dim_k=head_k,
-                    head_dim_v=head_v, n_ff=n_ff, rms_eps=rms_eps, context_length=context,
-                    rope=rope, moe=moe, tied_output=tied, notes=tuple(keys.notes), **gemma)
+        return dict(swa=SlidingWindow(window=window, layers=layers, rope_base=rope.base, same_rope=True))
+    return {}
 
 
 def _phi3_window(keys: Keys, n_block: int, rope: Rope) -> dict[str, Any] | None:
