@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ggufcheck.arch.table import HF, TensorTable
-from ggufcheck.arch.tables.common import COL, GLOBAL, ROW, L, row
+from ggufcheck.arch.tables.common import DENSE_FFN, GLOBAL, L, row  # Gemma3MLP: gate / up / down_proj
 from ggufcheck.arch.tables.dense import gqa_attention
 
 _NORM = "gemma_norm"  # GGUF holds 1 + w (arch/transforms.py)
@@ -36,10 +36,4 @@ GEMMA3 = TensorTable("gemma3", _gemma_norms(GLOBAL + _ATTENTION + (
         src="constants.py FFN_NORM; transformers pre_feedforward_layernorm"),
     row("blk.{i}.post_ffw_norm.weight", "D", L + "post_feedforward_layernorm.weight",
         src="constants.py FFN_POST_NORM; gemma3.cpp ffn_post_norm on the FFN output"),
-    row("blk.{i}.ffn_gate.weight", "F, D", L + "mlp.gate_proj.weight", COL, "dense_ffn",
-        src="constants.py FFN_GATE; Gemma3MLP.gate_proj (gelu_pytorch_tanh)"),
-    row("blk.{i}.ffn_up.weight", "F, D", L + "mlp.up_proj.weight", COL, "dense_ffn",
-        src="constants.py FFN_UP; Gemma3MLP.up_proj"),
-    row("blk.{i}.ffn_down.weight", "D, F", L + "mlp.down_proj.weight", ROW, "dense_ffn",
-        src="constants.py FFN_DOWN; Gemma3MLP.down_proj"),
-)), source="conversion/gemma.py Gemma3Model; src/models/gemma3.cpp; modeling_gemma3.py")
+) + DENSE_FFN), source="conversion/gemma.py Gemma3Model; src/models/gemma3.cpp; modeling_gemma3.py")
