@@ -22,6 +22,16 @@ class ExitStatus(enum.IntEnum):
     UNVERIFIED = 5  # nothing failed, but nothing compared the deployment with a reference
 
 
+# The one wording of the exit statuses: ``ggufcheck --help`` prints it, and the README and
+# docs/index.md carry it verbatim (tests/cli/test_exit_status_docs.py)
+EXIT_STATUS_TEXT = (
+    "Exit status: 0 healthy, 1 a check failed (the verdict names it), 2 usage error or "
+    "unreadable/malformed input, 3 engine unreachable, 4 an internal ggufcheck error, 5 not "
+    "verified (nothing failed, but neither the layers nor the logits stage could compare the "
+    "deployment with a reference)."
+)
+
+
 class GGUFCheckError(Exception):
     """Base class: an error with a message meant for the user, and a tip."""
 

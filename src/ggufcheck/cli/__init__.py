@@ -12,9 +12,14 @@ import argparse
 import importlib
 import os
 import sys
+import textwrap
 
 from ggufcheck import __version__
-from ggufcheck.errors import ExitStatus, GGUFCheckError
+from ggufcheck.errors import EXIT_STATUS_TEXT, ExitStatus, GGUFCheckError
+
+START_HERE = ("New here? `ggufcheck demo` shows the whole method on a tiny model (offline); then "
+              "`ggufcheck inspect MODEL.gguf` (the file alone) and `ggufcheck diagnose MODEL.gguf --engine SPEC` "
+              "(a deployment). Docs: docs/index.md.")
 
 # Subcommand modules, in the order they appear in --help (data-flow order).
 COMMANDS = [
@@ -35,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ggufcheck",
         description="Find why a deployed GGUF model produces wrong output.",
+        epilog="\n\n".join(textwrap.fill(text, 78) for text in (START_HERE, EXIT_STATUS_TEXT)),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"ggufcheck {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -55,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exit_:  # argparse exits 2 on usage errors, 0 on --help
         return int(exit_.code or 0)
     if args.command is None:
-        parser.print_help()
+        parser.print_usage(sys.stderr)
+        print(f"ggufcheck: no command given. {START_HERE}", file=sys.stderr)
         return int(ExitStatus.USAGE)
     module = importlib.import_module(f"ggufcheck.cli.{args.command}")
     try:

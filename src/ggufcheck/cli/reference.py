@@ -15,7 +15,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from ggufcheck.errors import ExitStatus, UsageError
+from ggufcheck.errors import ExitStatus, Unavailable, UsageError
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,12 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype, device=args.device, out=args.out, top=args.top, streaming=args.streaming,
         mla_form=args.mla,
     )
+    if options.out is not None:  # before the work, not after it
+        try:
+            import safetensors  # noqa: F401
+        except ImportError as err:
+            raise Unavailable("--out writes a safetensors file, and safetensors is not installed",
+                              tip="pip install 'ggufcheck[hf]' (or: pip install safetensors)") from err
     import torch
 
     from ggufcheck.reference import ReferenceModel

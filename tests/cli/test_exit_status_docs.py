@@ -1,0 +1,55 @@
+"""The exit statuses are worded once (errors.EXIT_STATUS_TEXT) and every place a user reads them
+carries that wording: ``ggufcheck --help``, the README and docs/index.md. ``ggufcheck`` alone
+says where to start and exits 2."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ggufcheck.cli import main
+from ggufcheck.errors import EXIT_STATUS_TEXT, ExitStatus
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _flat(text: str) -> str:
+    return re.sub(r"\s+", " ", text)
+
+
+def test_help_readme_and_docs_word_the_exit_statuses_alike(capsys):
+    assert main(["--help"]) == 0
+    help_text = capsys.readouterr().out
+    for where, text in (("--help", help_text), ("README.md", (ROOT / "README.md").read_text()),
+                        ("docs/index.md", (ROOT / "docs" / "index.md").read_text())):
+        assert _flat(EXIT_STATUS_TEXT) in _flat(text), where
+    assert [s.value for s in ExitStatus] == [0, 1, 2, 3, 4, 5]
+    assert all(f"{s.value} " in EXIT_STATUS_TEXT for s in ExitStatus)
+
+
+def test_no_command_points_to_the_demo_and_the_docs(capsys):
+    assert main([]) == ExitStatus.USAGE
+    err = capsys.readouterr().err
+    assert "ggufcheck demo" in err and "docs/index.md" in err
+
+
+def test_reference_out_without_safetensors_is_unavailable_before_the_work(tiny_gguf, tmp_path, monkeypatch, capsys):
+    """``reference --out`` on a base install (safetensors is in an extra): "unavailable" with the
+    install tip, before the forward pass; it used to compute everything and exit 4."""
+    import builtins
+
+    import ggufcheck.reference as reference
+
+    real_import = builtins.__import__
+
+    def no_safetensors(name, *args, **kwargs):
+        if name == "safetensors" or name.startswith("safetensors."):
+            raise ImportError("No module named 'safetensors'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_safetensors)
+    monkeypatch.setattr(reference, "ReferenceModel", None)  # the forward pass must not start
+    model = tiny_gguf("llama").path
+    code = main(["reference", str(model), "--tokens", "1,2,3", "--out", str(tmp_path / "t")])
+    err = capsys.readouterr().err
+    assert code != ExitStatus.INTERNAL and "safetensors" in err and "pip install" in err
