@@ -183,6 +183,7 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
             metrics, baseline, tie_note = _judged_through_ties(
                 judged_refs, _fit_vocab(judged_tables, reference.vocab_size), base_tables, metrics.ambiguous,
                 f"measured {_short(baseline_engine)} vs {_short(reference)}", judged_class)
+        base_tables = None  # [T, V] each: not held through the sweep (1.5 GB on a 262k vocabulary)
         prefill_checks = judge(metrics, baseline, options.tolerance, detokenize=_detokenizer(engine, reference))
         if tie_note:
             prefill_checks[0].message += tie_note
@@ -261,9 +262,10 @@ def _sweep(engine: Engine, seqs, generations, reference_score, baseline: Baselin
         return skipped("logits.prefill_lengths", "prefill",
                        f"the prompts make only {len(sequence)} tokens: below every landmark length")
     say(f"sweeping prompt lengths up to {len(sequence)} tokens across {len(marks)} landmarks")
-    measured = baseline_engine.score(sequence) if baseline_engine is not None else None
+    # the baseline run's table passed inline (no local): the callee drops it once it has its KL per row
     return check_prefill_lengths(engine, sequence, reference_score(sequence), baseline, options.tolerance, marks,
-                                 options.top_k, measured=measured)
+                                 options.top_k,
+                                 measured=baseline_engine.score(sequence) if baseline_engine is not None else None)
 
 
 def _score_what_the_engine_takes(engine: Engine, seqs: list[list[int]], top_k: int):
