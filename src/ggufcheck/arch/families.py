@@ -41,6 +41,7 @@ class Family:
     # whether they rotate like the global layers (gpt-oss) or with their own unscaled base (gemma3)
     swa_pattern: int = 0
     swa_same_rope: bool = False
+    sinks: bool = False  # per-head attention sinks (attn_sinks.weight)
 
 
 FAMILIES: dict[str, Family] = {f.arch: f for f in (
@@ -54,7 +55,7 @@ FAMILIES: dict[str, Family] = {f.arch: f for f in (
     # llama.cpp openai-moe.cpp: softmax over the chosen logits (= renormalized softmax), the
     # clamped SwiGLU, even layers sliding-window with the global (YaRN) rope
     Family("gpt-oss", "gqa_moe", "gpt_oss:GPT_OSS", "gpt_oss", rope="neox", moe=True, gating="softmax",
-           weights_norm=True, ffn_act="swiglu_oai", swa_pattern=2, swa_same_rope=True),
+           weights_norm=True, ffn_act="swiglu_oai", swa_pattern=2, swa_same_rope=True, sinks=True),
     # llama.cpp qwen3moe.cpp: softmax routing with renormalized weights (norm_w = true) hard-coded
     Family("qwen3moe", "gqa_moe", "glm4moe:QWEN3MOE", "qwen3_moe", rope="neox", moe=True, gating="softmax",
            weights_norm=True),

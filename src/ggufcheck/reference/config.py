@@ -137,6 +137,10 @@ class ReferenceConfig:
         """A sliding-window (local) layer: its own rope base, and the window when > 0."""
         return i < len(self.swa_layers) and self.swa_layers[i]
 
+    def attention_window(self, i: int) -> int:
+        """The window layer ``i`` attends over (0: every earlier position)."""
+        return self.swa_window if self.is_swa_layer(i) else 0
+
     def is_moe_layer(self, i: int) -> bool:
         return self.n_expert > 0 and i >= self.n_dense_lead
 

@@ -61,9 +61,8 @@ def forward_layer(
     q_pos: Tensor, k_pos: Tensor, cache: LayerCache, shared: dict,
 ) -> LayerOutput:
     """One llama / qwen2 / qwen3 / phi3 decoder layer on the residual stream h [T, D]."""
-    window = cfg.swa_window if cfg.is_swa_layer(i) else 0  # phi3 with a sliding window
     attn_out = self_attention(cfg, w, rms_norm(h, w["attn_norm.weight"], cfg.rms_eps), rope, q_pos, k_pos, cache,
-                              window=window)
+                              window=cfg.attention_window(i))
     after_attn = h + attn_out
     x = rms_norm(after_attn, w["ffn_norm.weight"], cfg.rms_eps)
     ffn_out = ffn_block(cfg, w, x, False).out

@@ -32,9 +32,8 @@ def forward_layer(
     q_pos: Tensor, k_pos: Tensor, cache: LayerCache, shared: dict,
 ) -> LayerOutput:
     """One gemma3 decoder layer on the residual stream h [T, D]."""
-    window = cfg.swa_window if cfg.is_swa_layer(i) else 0
     attn = self_attention(cfg, w, rms_norm(h, w["attn_norm.weight"], cfg.rms_eps), rope, q_pos, k_pos, cache,
-                          window=window)
+                          window=cfg.attention_window(i))
     attn_out = rms_norm(attn, w["post_attention_norm.weight"], cfg.rms_eps)
     after_attn = h + attn_out
     ffn_out = ffn_block(cfg, w, rms_norm(after_attn, w["ffn_norm.weight"], cfg.rms_eps), False).out

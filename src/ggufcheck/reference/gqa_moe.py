@@ -26,9 +26,8 @@ def forward_layer(
     q_pos: Tensor, k_pos: Tensor, cache: LayerCache, shared: dict,
 ) -> LayerOutput:
     """One glm4moe / qwen3moe / gpt-oss decoder layer on the residual stream h [T, D]."""
-    window = cfg.swa_window if cfg.is_swa_layer(i) else 0  # gpt-oss's even layers
     attn_out = self_attention(cfg, w, rms_norm(h, w["attn_norm.weight"], cfg.rms_eps), rope, q_pos, k_pos, cache,
-                              window=window)
+                              window=cfg.attention_window(i))
     after_attn = h + attn_out
     norm = w["ffn_norm.weight"] if "ffn_norm.weight" in w else w["post_attention_norm.weight"]
     x = rms_norm(after_attn, norm, cfg.rms_eps)

@@ -207,6 +207,14 @@ SWIGLU_OAI_ALPHA = 1.702
 SWIGLU_OAI_LIMIT = 7.0
 
 
+def swiglu_oai(gate: Tensor, up: Tensor) -> Tensor:
+    """gpt-oss's clamped SwiGLU on the gate / up projections (elementwise: a TP slice of the FF
+    dim gives the same values as the whole): ``(clamp(up, +-L) + 1) * g * sigmoid(alpha g)``,
+    ``g = min(gate, L)``."""
+    g = gate.clamp(max=SWIGLU_OAI_LIMIT)
+    return g * torch.sigmoid(SWIGLU_OAI_ALPHA * g) * (up.clamp(-SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT) + 1)
+
+
 def moe(x: Tensor, ids: Tensor, weights: Tensor, gate_exps: Tensor, up_exps: Tensor, down_exps: Tensor,
         biases: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None), act: str = "silu") -> Tensor:
     """sum_k w_k * expert_{ids_k}(x): an explicit loop over the experts that were chosen.
@@ -221,10 +229,9 @@ def moe(x: Tensor, ids: Tensor, weights: Tensor, gate_exps: Tensor, up_exps: Ten
         tok, slot = torch.nonzero(ids == e, as_tuple=True)  # tokens that chose e, and where
         if act == "swiglu_oai":
             xe = x[tok]
-            g = linear(xe, gate_exps[e], None if b_gate is None else b_gate[e]).clamp(max=SWIGLU_OAI_LIMIT)
-            u = linear(xe, up_exps[e], None if b_up is None else b_up[e]).clamp(-SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
-            y = linear(g * torch.sigmoid(SWIGLU_OAI_ALPHA * g) * (u + 1), down_exps[e],
-                       None if b_down is None else b_down[e])  # [n, D]
+            g = linear(xe, gate_exps[e], None if b_gate is None else b_gate[e])
+            u = linear(xe, up_exps[e], None if b_up is None else b_up[e])
+            y = linear(swiglu_oai(g, u), down_exps[e], None if b_down is None else b_down[e])  # [n, D]
         else:
             y = swiglu(x[tok], gate_exps[e], up_exps[e], down_exps[e])  # [n, D]
         out.index_add_(0, tok, y * weights[tok, slot, None])

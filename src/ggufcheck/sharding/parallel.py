@@ -37,8 +37,8 @@ from ggufcheck.reference import dsa
 from ggufcheck.reference import mla as ref_mla
 from ggufcheck.reference.config import ReferenceConfig
 from ggufcheck.reference.cache import LayerCache
-from ggufcheck.reference.layers import (SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, apply_rope, attention, causal_mask,
-                                        linear, rms_norm, rope_cos_sin, rope_inv_freq, route)
+from ggufcheck.reference.layers import (apply_rope, attention, causal_mask, linear, rms_norm, rope_cos_sin,
+                                        rope_inv_freq, route, swiglu_oai)
 from ggufcheck.sharding.dist import RankContext
 from ggufcheck.sharding.mla import KV_B_RULE, VLLM_LAYOUT, KvBLayout
 from ggufcheck.sharding.rules import Loader, ShardRule, rule_for, shard, vocab_range
@@ -257,8 +257,7 @@ def _oai_experts_partial(r: _Rank, x: Tensor, ids: Tensor, weights: Tensor) -> T
         xe = x[tok]
         g = linear(xe, _expert_piece(r, "ffn_gate_exps.weight", e), _expert_piece(r, "ffn_gate_exps.bias", e))
         u = linear(xe, _expert_piece(r, "ffn_up_exps.weight", e), _expert_piece(r, "ffn_up_exps.bias", e))
-        g, u = g.clamp(max=SWIGLU_OAI_LIMIT), u.clamp(-SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
-        y = linear(g * torch.sigmoid(SWIGLU_OAI_ALPHA * g) * (u + 1), _expert_piece(r, "ffn_down_exps.weight", e))
+        y = linear(swiglu_oai(g, u), _expert_piece(r, "ffn_down_exps.weight", e))
         if r.ctx.rank == 0:
             y = y + r.ctx.to(r.job.weights["ffn_down_exps.bias"][e])
         partial.index_add_(0, tok, y * weights[tok, slot, None])

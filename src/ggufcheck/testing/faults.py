@@ -85,7 +85,7 @@ MOE_ARCHS = frozenset(archs(moe=True))
 ALL_ARCHS = frozenset(archs())
 GEMMA_ARCHS = frozenset(archs(gemma=True))
 SWA_ARCHS = frozenset(a for a in archs() if FAMILIES[a].swa_pattern)  # sliding-window layers
-SINK_ARCHS = frozenset({"gpt-oss"})  # attention sinks (attn_sinks.weight)
+SINK_ARCHS = frozenset(archs(sinks=True))  # attention sinks (attn_sinks.weight)
 BIASED_ROUTER_ARCHS = frozenset(archs(biased_router=True))  # exp_probs_b and a routed scale to get wrong
 
 

@@ -12,6 +12,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ggufcheck.arch.families import FAMILIES
 from ggufcheck.checks.layers.metrics import near_ties, rel_errors
 from ggufcheck.checks.layers.options import EPS_CANDIDATES
 from ggufcheck.checks.layers.replay import Replayer
@@ -42,7 +43,7 @@ def hypotheses_attention(cfg) -> list[tuple[str, str, dict | None, Callable | No
     if cfg.has_indexer:
         out.append(("indexer", "dense causal attention instead of the DSA top-k (indexer ignored)",
                     {"indexer_heads": 0}, None))
-    if cfg.arch == "gpt-oss":
+    if FAMILIES[cfg.arch].sinks:
         out.append(("attention", "the attention sinks (attn_sinks) left out of the softmax", None,
                     lambda c, i, w: {k: v for k, v in w.items() if k != "attn_sinks.weight"}))
     if cfg.swa_window:  # gemma3's and gpt-oss's local layers
