@@ -41,6 +41,26 @@ def test_eval_callback_layer_tensors_form_the_residual_stream(llama_engine, prom
     assert np.abs(trace.tensors[("attention", 5)] - trace.tensors[("ffn", 5)]).max() > 1e-3
 
 
+def test_chunked_trace_feeds_one_decode_per_chunk_and_matches_one_prefill_on_cpu(llama_engine, prompts,
+                                                                                 monkeypatch):
+    """The chunked trace calls llama_decode once per chunk (as score_chunked does), and on
+    llama.cpp's CPU backend, whose rows are computed independently, every layer is the one
+    prefill's (measured: bit for bit)."""
+    tokens = llama_engine.tokenize(prompts[1])
+    whole = llama_engine.layer_outputs(tokens, ["residual"])
+    lib, calls = llama_engine._lib, []
+    real = lib.llama_decode
+    monkeypatch.setattr(lib, "llama_decode", lambda ctx, batch: calls.append(batch.n_tokens) or real(ctx, batch))
+    chunked = llama_engine.chunked_layer_outputs(tokens, 4, ["residual"])
+    assert calls == [4] * (len(tokens) // 4) + ([len(tokens) % 4] if len(tokens) % 4 else [])
+    assert set(chunked.tensors) == set(whole.tensors)
+    for key, got in chunked.tensors.items():
+        want = whole.tensors[key]
+        assert got.shape == want.shape == (len(tokens), 576)
+        rel = np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
+        assert rel.max() < 1e-6, key
+
+
 def test_too_long_sequence_is_unsupported(llama_engine):
     from ggufcheck.engines.base import Unsupported
 

@@ -5,7 +5,8 @@
 #
 # Stage first, here: bash tools/gpu/stage_llama_cpp.sh   (fills the git-ignored .gpu/)
 # Device call:       bash tools/gpu/llama_cpp_cuda.sh [STEPS]   with carry [".gpu"]
-#   STEPS: comma-separated subset of build,probe,matrix,lead,server,oldlead,hf (default: all)
+#   STEPS: comma-separated subset of build,probe,matrix,matrix2,matrix3,lead,chunklead,families,hfprof,server,
+#          oldlead,hf (default: build,probe,matrix,lead,server,oldlead,hf)
 # Writes $OUT/log.txt-style logs per step, $OUT/results.tgz, and on a fresh build the
 # build's bin/ as $OUT/bin.tar.xz.part* (< 16 MiB each): move them to .gpu/prebuilt/ and the
 # next call skips the 5-minute build.
@@ -51,6 +52,41 @@ fi
 if has probechild; then  # without torch: which of ggufcheck's settings crash the CUDA library?
   python3 -c "from ggufcheck.testing.tiny import build_tiny_gguf as b; b('llama', '/tmp/l20/models/llama-q4k.gguf', qtypes='Q4_K', n_embd=256, head_dim=64, n_ff=512)"
   TAILN=60 step 90 probechild python3 tools/gpu/probe_child.py /tmp/l20/models/llama-q4k.gguf
+fi
+
+if has chunklead; then  # the cuBLAS-f32 chunked-prefill lead: which path, which layer (chunk_lead.py)
+  python3 -c "from ggufcheck.testing.tiny import build_tiny_gguf as b; b('deepseek2', '/tmp/l20/models/ds2-q4k.gguf', seed=3, qtypes='Q4_K', n_embd=256, n_ff_exp=256, n_ff=512)"
+  D="python3 -m ggufcheck diagnose --no-sanity --no-kernels --sweep-to 0"
+  step 60 chunk-ds2-f32 env GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32 $D $W/models/ds2-q4k.gguf --engine llama-cpp:n_gpu_layers=99 --json $W/chunk-ds2-f32.json
+  TAILN=80 step 90 chunklead-f32 env GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32 python3 tools/gpu/chunk_lead.py $W/models/ds2-q4k.gguf --chunk 5
+  TAILN=40 step 60 chunklead-auto python3 tools/gpu/chunk_lead.py $W/models/ds2-q4k.gguf --chunk 5 --worst 1
+fi
+
+if has families; then  # every family's tiny model through the CUDA backend (Q4_K; gpt-oss also MXFP4 experts)
+  python3 - <<'EOF2'
+from ggufcheck.testing.tiny import build_tiny_gguf as b
+d = dict(seed=3, n_embd=256, n_ff=512, n_ff_exp=256)
+for arch in ("llama", "qwen2", "phi3", "gemma3", "qwen3moe", "gpt-oss", "deepseek2", "glm4moe", "glm-dsa"):
+    b(arch, f"/tmp/l20/models/fam-{arch}.gguf", qtypes="Q4_K", **d)
+b("gpt-oss", "/tmp/l20/models/fam-gpt-oss-mxfp4.gguf", **d,
+  qtypes={"ffn_gate_exps": "MXFP4", "ffn_up_exps": "MXFP4", "ffn_down_exps": "MXFP4", "default": "Q8_0"})
+EOF2
+  for m in llama qwen2 phi3 gemma3 qwen3moe gpt-oss gpt-oss-mxfp4 deepseek2 glm4moe glm-dsa; do
+    TAILN=4 step 45 fam-$m python3 -m ggufcheck diagnose --no-sanity --no-kernels $W/models/fam-$m.gguf --engine llama-cpp:n_gpu_layers=99 --json $W/fam-$m.json
+  done
+fi
+
+if has matrix3; then  # the matrix without / with flash attention, and with a Q8_0 KV cache
+  TAILN=12 step 120 quants-ngl99 python3 -m ggufcheck quants --engine llama-cpp:n_gpu_layers=99 --json $W/quants-ngl99.json
+  TAILN=12 step 90 quants-ngl99-fa python3 -m ggufcheck quants --engine llama-cpp:n_gpu_layers=99,flash_attn=1 --json $W/quants-ngl99-fa.json
+  TAILN=12 step 90 quants-ngl99-fa-kvq8 python3 -m ggufcheck quants --engine llama-cpp:n_gpu_layers=99,flash_attn=1,type_k=8,type_v=8 --json $W/quants-ngl99-fa-kvq8.json
+fi
+
+if has hfprof; then  # issue 20's hf lead: where the time of a tiny model's bf16 CUDA diagnose goes
+  python3 -c "from ggufcheck.testing.tiny import build_tiny_gguf as b; b('glm-dsa', '/tmp/l20/models/dsa7.gguf', seed=7, qtypes='Q8_0', n_ff_exp=64)"
+  step 150 hfprof python3 -m cProfile -o $W/hfprof.prof -m ggufcheck diagnose $W/models/dsa7.gguf --engine hf:bf16@cuda --device 0 --no-sanity --sweep-to 0 --json $W/hfprof.json
+  python3 -c "import json; print('stage timings', json.load(open('$W/hfprof.json')).get('timings'))"
+  python3 -c "import pstats; pstats.Stats('$W/hfprof.prof').sort_stats('cumulative').print_stats(45)" | tail -60
 fi
 
 if has matrix2; then  # the matrix quiet, then with llama.cpp's log on

@@ -290,6 +290,13 @@ class Engine(abc.ABC):
         """Per-layer tensors (residual stream, attention / FFN / MoE outputs, router choices)."""
         raise Unsupported(self.capabilities.why_not("layer_outputs"))
 
+    def chunked_layer_outputs(self, tokens: Sequence[int], chunk_size: int,
+                              kinds: Sequence[str] = LAYER_KINDS) -> LayerTrace:
+        """:meth:`layer_outputs` with the prefill fed in chunks of ``chunk_size`` tokens (one
+        engine call per chunk, through its KV cache): where inside the model a chunked
+        prefill parts from one prefill (checks.path_layers)."""
+        raise Unsupported(f"{self.name} traces no chunked prefill")
+
     def weight(self, hf_name: str, *, rank: int = 0) -> np.ndarray:
         """The weight the engine actually loaded under ``hf_name`` on TP rank ``rank``."""
         raise Unsupported(self.capabilities.why_not("weights"))

@@ -139,6 +139,10 @@ class IsolatedEngine(Engine):
     def layer_outputs(self, tokens: Sequence[int], kinds: Sequence[str] = LAYER_KINDS) -> LayerTrace:
         return self._call("layer_outputs", [int(t) for t in tokens], tuple(kinds))
 
+    def chunked_layer_outputs(self, tokens: Sequence[int], chunk_size: int,
+                              kinds: Sequence[str] = LAYER_KINDS) -> LayerTrace:
+        return self._call("chunked_layer_outputs", [int(t) for t in tokens], int(chunk_size), tuple(kinds))
+
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "process": "isolated", "pid": getattr(self._proc, "pid", None)}
 

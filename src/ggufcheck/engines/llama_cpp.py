@@ -303,8 +303,18 @@ class LlamaCppEngine(Engine):
     # ---- per-layer tensors through cb_eval ---------------------------------------------
     def layer_outputs(self, tokens: Sequence[int], kinds: Sequence[str] = LAYER_KINDS) -> LayerTrace:
         """Capture named graph nodes of one prefill through ``cb_eval`` on a fresh context."""
+        return self._trace([int(t) for t in tokens], kinds, None)
+
+    def chunked_layer_outputs(self, tokens: Sequence[int], chunk_size: int,
+                              kinds: Sequence[str] = LAYER_KINDS) -> LayerTrace:
+        """The same nodes with the prompt fed as one ``llama_decode`` per chunk of ``chunk_size``
+        tokens, as :meth:`score_chunked` feeds it."""
+        if not 1 <= chunk_size <= self.n_batch:
+            raise Unsupported(f"chunk size {chunk_size} outside 1..n_batch={self.n_batch}")
+        return self._trace([int(t) for t in tokens], kinds, int(chunk_size))
+
+    def _trace(self, tokens: list[int], kinds: Sequence[str], chunk_size: int | None) -> LayerTrace:
         lib = self._lib
-        tokens = [int(t) for t in tokens]
         self._check_length(len(tokens))
         node_kinds_ = self._node_kinds
         wanted = {name for name, kind in node_kinds_.items() if kind in kinds}
@@ -358,18 +368,21 @@ class LlamaCppEngine(Engine):
         ctx = lib.llama_init_from_model(self._llm._model.model, params)
         if not ctx:
             raise Unsupported("llama.cpp refused a second context for the trace")
+        step = chunk_size or len(tokens)
         try:
-            batch = lib.llama_batch_init(len(tokens), 0, 1)
+            batch = lib.llama_batch_init(step, 0, 1)
             try:
-                batch.n_tokens = len(tokens)
-                for i, tok in enumerate(tokens):
-                    batch.token[i] = tok
-                    batch.pos[i] = i
-                    batch.n_seq_id[i] = 1
-                    batch.seq_id[i][0] = 0
-                    batch.logits[i] = True
-                if lib.llama_decode(ctx, batch) != 0:
-                    raise Unsupported("llama_decode failed during the layer trace")
+                for start in range(0, len(tokens), step):  # one llama_decode per chunk
+                    piece = tokens[start:start + step]
+                    batch.n_tokens = len(piece)
+                    for j, tok in enumerate(piece):
+                        batch.token[j] = tok
+                        batch.pos[j] = start + j
+                        batch.n_seq_id[j] = 1
+                        batch.seq_id[j][0] = 0
+                        batch.logits[j] = True
+                    if lib.llama_decode(ctx, batch) != 0:
+                        raise Unsupported("llama_decode failed during the layer trace")
             finally:
                 lib.llama_batch_free(batch)
         finally:

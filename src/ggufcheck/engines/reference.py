@@ -138,6 +138,25 @@ class ReferenceEngine(GGUFVocabTokenizer, Engine):
                     out[(kind, i)] = value.detach().cpu().numpy()
         return LayerTrace(np.array(tokens), out)
 
+    def chunked_layer_outputs(self, tokens: Sequence[int], chunk_size: int,
+                              kinds: Sequence[str] = LAYER_KINDS) -> LayerTrace:
+        """The residual stream and block outputs with the prompt run in chunks through the KV
+        cache (as :meth:`score_chunked` runs it)."""
+        from ggufcheck.reference.cache import KVCache
+
+        tokens = [int(t) for t in tokens]
+        cache = KVCache()
+        fields = {"residual": "hidden", "attention": "attn_out", "ffn": "ffn_out"}
+        parts: dict[tuple[str, int], list[np.ndarray]] = {}
+        with self._torch.no_grad():
+            for start in range(0, len(tokens), chunk_size):
+                _, layers, _ = self.model.forward(tokens[start:start + chunk_size], cache, keep_layers=True)
+                for i, layer in enumerate(layers):
+                    for kind in kinds:
+                        if kind in fields:
+                            parts.setdefault((kind, i), []).append(getattr(layer, fields[kind]).detach().cpu().numpy())
+        return LayerTrace(np.array(tokens), {k: np.concatenate(v, axis=0) for k, v in parts.items()})
+
     def close(self) -> None:
         model = getattr(self, "model", None)
         if model is not None:
