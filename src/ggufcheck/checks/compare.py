@@ -137,7 +137,8 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
         path_baseline = combined_baseline(None, engine.capabilities.activation_dtype)
         ambiguity = (lambda seq: reference_score(seq).ambiguous) if reference is not None else None
         results, generations = run_paths(engine, seqs, tables, popts, baseline=path_baseline, long_prompt=long_prompt,
-                                         ambiguity=ambiguity)
+                                         ambiguity=ambiguity,
+                                         reference_score=reference_score if reference is not None else None)
         paths_stage.add(results)
         paths_stage.info["baseline"] = path_baseline.source
     else:

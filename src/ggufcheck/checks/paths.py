@@ -44,6 +44,9 @@ BOUNDARIES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 6
 # another (different kernels, or a tie where the order of equal scores decides), so two paths
 # of one engine are not compared there (checks.compare passes the reference's marks)
 Ambiguity = Callable[[Sequence[int]], "np.ndarray | None"]
+# the reference's log-probs of a sequence (checks.compare scores each once): which of two
+# paths is the wrong one
+ReferenceScore = Callable[[Sequence[int]], TokenLogprobs]
 
 
 def mark_ambiguous(table: TokenLogprobs, ambiguity: Ambiguity | None, *, onward_from: int | None = None) -> TokenLogprobs:
@@ -264,18 +267,22 @@ def check_determinism(engine: Engine, prompt: Sequence[int], first: TokenLogprob
 
 
 def check_chunked_prefill(engine: Engine, prompts: Sequence[Sequence[int]], singles: Sequence[TokenLogprobs],
-                          baseline: Baseline, options: PathOptions, ambiguity: Ambiguity | None = None) -> list[Result]:
+                          baseline: Baseline, options: PathOptions, ambiguity: Ambiguity | None = None,
+                          reference_score: ReferenceScore | None = None) -> list[Result]:
+    """One prefill vs chunks of each size; a failing size is looked into
+    (checks.path_layers): which path the reference agrees with, and the layer where they part."""
     caps = engine.capabilities
     if not caps.chunked_prefill:
         return [skipped("paths.chunked_prefill", "prefill", caps.why_not("chunked_prefill"))]
     out = []
     for size in options.chunk_sizes:
-        pairs = []
+        pairs, used = [], []
         for prompt, single in zip(prompts, singles):
             if len(prompt) <= size:
                 continue
             try:
                 pairs.append((mark_ambiguous(single, ambiguity), engine.score_chunked(prompt, size, top_k=options.top_k)))
+                used.append(prompt)
             except Unsupported as why:
                 out.append(skipped(f"paths.chunked_prefill[{size}]", "prefill", str(why)))
                 break
@@ -284,8 +291,22 @@ def check_chunked_prefill(engine: Engine, prompts: Sequence[Sequence[int]], sing
                 out.append(skipped(f"paths.chunked_prefill[{size}]", "prefill",
                                    f"no prompt longer than the chunk size {size}"))
                 continue
-            out.append(_pair_verdict(f"paths.chunked_prefill[{size}]", "prefill",
-                                     f"one prefill vs chunks of {size}", pairs, baseline, options.tolerance))
+            result = _pair_verdict(f"paths.chunked_prefill[{size}]", "prefill",
+                                   f"one prefill vs chunks of {size}", pairs, baseline, options.tolerance,
+                                   {**landmarks(options), f"the start of the second chunk of {size} tokens, position": size})
+            if result.failed:
+                from ggufcheck.checks.path_layers import localize_chunked
+
+                seq, pos = result.worst["sequence"], result.worst["position"]
+                found = localize_chunked(engine, used[seq], size, pos, *pairs[seq], result.stats["kl_max_limit"],
+                                         reference_score)
+                if found["text"]:
+                    result.message += f"; at sequence {seq} position {pos}: " + found["text"]
+                    result.stats["localized"] = found
+                    where = found.get("where") or {}
+                    if where.get("layer") is not None:
+                        result.layer = where["layer"]
+            out.append(result)
     return out
 
 
@@ -308,10 +329,11 @@ def check_past_indexer_top_k(engine: Engine, long_prompt: Sequence[int] | None, 
 
 def run_paths(engine: Engine, prompts: Sequence[Sequence[int]], singles: Sequence[TokenLogprobs],
               options: PathOptions = PathOptions(), *, baseline: Baseline | None = None,
-              long_prompt: Sequence[int] | None = None,
-              ambiguity: Ambiguity | None = None) -> tuple[list[Result], list[Generation]]:
+              long_prompt: Sequence[int] | None = None, ambiguity: Ambiguity | None = None,
+              reference_score: ReferenceScore | None = None) -> tuple[list[Result], list[Generation]]:
     """All path checks. ``singles`` are the engine's own teacher-forced tables of ``prompts``;
-    ``ambiguity`` gives the reference's ambiguous rows of a sequence (left out of every pair).
+    ``ambiguity`` gives the reference's ambiguous rows of a sequence (left out of every pair);
+    ``reference_score`` its log-probs (a failing chunked pair: which path is wrong).
 
     A check whose engine call raises :class:`Unsupported` (a sequence beyond n_ctx, a chunk
     size the engine refuses) is SKIPPED with that reason.
@@ -337,7 +359,8 @@ def run_paths(engine: Engine, prompts: Sequence[Sequence[int]], singles: Sequenc
                            lambda: check_determinism(engine, prompts[0], singles[0],
                                                      generations[0] if generations else None, baseline, options)))
     chunked = attempt("paths.chunked_prefill", "prefill",
-                      lambda: check_chunked_prefill(engine, prompts, singles, baseline, options, ambiguity))
+                      lambda: check_chunked_prefill(engine, prompts, singles, baseline, options, ambiguity,
+                                                    reference_score))
     results.extend(chunked if isinstance(chunked, list) else [chunked])
     results.append(attempt("paths.past_indexer_top_k", "indexer",
                            lambda: check_past_indexer_top_k(engine, long_prompt, baseline, options, ambiguity)))

@@ -90,13 +90,17 @@ class ReferenceEngine(GGUFVocabTokenizer, Engine):
                              ambiguous=ties)
 
     def score_chunked(self, tokens: Sequence[int], chunk_size: int, *, top_k: int = 20) -> TokenLogprobs:
-        from ggufcheck.reference.cache import KVCache
-
         tokens = [int(t) for t in tokens]
-        cache = KVCache()
+        cache = self._chunk_cache()
         with self._torch.no_grad():
             parts = [self.model.forward(tokens[i:i + chunk_size], cache)[0] for i in range(0, len(tokens), chunk_size)]
         return self._table(tokens, self._torch.cat(parts, dim=0))
+
+    def _chunk_cache(self):
+        """The KV cache a chunked prefill runs through (fault engines substitute a broken one)."""
+        from ggufcheck.reference.cache import KVCache
+
+        return KVCache()
 
     def _decode_cache(self, prompt_length: int):
         """The KV cache ``generate`` decodes through (fault engines substitute a broken one)."""
@@ -142,10 +146,8 @@ class ReferenceEngine(GGUFVocabTokenizer, Engine):
                               kinds: Sequence[str] = LAYER_KINDS) -> LayerTrace:
         """The residual stream and block outputs with the prompt run in chunks through the KV
         cache (as :meth:`score_chunked` runs it)."""
-        from ggufcheck.reference.cache import KVCache
-
         tokens = [int(t) for t in tokens]
-        cache = KVCache()
+        cache = self._chunk_cache()
         fields = {"residual": "hidden", "attention": "attn_out", "ffn": "ffn_out"}
         parts: dict[tuple[str, int], list[np.ndarray]] = {}
         with self._torch.no_grad():

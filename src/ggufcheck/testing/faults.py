@@ -98,7 +98,9 @@ class ModelPatch:
     - ``layer_config(cfg, i) -> cfg``: a per-layer config (e.g. a wrong eps in one layer);
     - ``layer_weights(cfg, i, w) -> w``: a transform of layer i's dequantized tensors;
     - ``tensor_hook(name, tensor) -> tensor``: applied when a tensor is dequantized;
-    - ``decode_corrupt_after``: corrupt the KV cache entries written by decode step >= N.
+    - ``decode_corrupt_after``: corrupt the KV cache entries written by decode step >= N;
+    - ``chunk_context_lost``: in a chunked prefill, the layers listed (all when empty) read the
+      cache of earlier chunks as zeros (a context chunk's attention lost in the merge).
     """
 
     config: dict[str, Any] = field(default_factory=dict)
@@ -106,6 +108,7 @@ class ModelPatch:
     layer_weights: Callable[[ReferenceConfig, int, Weights], Weights] | None = None
     tensor_hook: Callable[[str, Tensor], Tensor] | None = None
     decode_corrupt_after: int | None = None
+    chunk_context_lost: tuple[int, ...] | None = None
     tp: int = 1
 
 
@@ -184,6 +187,30 @@ class _CorruptingLayerCache(LayerCache):
         return super().extend(name, new)
 
 
+class _ContextLostLayerCache(LayerCache):
+    """A layer cache that, from the second chunk of a chunked prefill on, gives attention the
+    earlier chunks' entries as zeros (their keys score 0 and their values add nothing: the
+    context's share of the softmax is kept, its output lost). Kept entries stay right."""
+
+    def extend(self, name: str, new: Tensor) -> Tensor:
+        old = self.tensors.get(name)
+        full = super().extend(name, new)
+        if old is None:
+            return full
+        return torch.cat((torch.zeros_like(old), full[old.shape[0]:]), dim=0)
+
+
+class _ContextLostKVCache(KVCache):
+    def __init__(self, layers: tuple[int, ...]):
+        super().__init__()
+        self.broken = layers
+
+    def layer(self, i: int) -> LayerCache:
+        if self.broken and i not in self.broken:
+            return super().layer(i)
+        return self.layers.setdefault(i, _ContextLostLayerCache())
+
+
 class _CorruptingKVCache(KVCache):
     def __init__(self, start: int):
         super().__init__()
@@ -232,6 +259,10 @@ class FaultyReferenceEngine(ReferenceEngine):
         if after is None:
             return super()._decode_cache(prompt_length)
         return _CorruptingKVCache(prompt_length + max(after, 1) - 1)  # decode step `after` is the first wrong one
+
+    def _chunk_cache(self):
+        lost = self.patch.chunk_context_lost
+        return super()._chunk_cache() if lost is None else _ContextLostKVCache(lost)
 
     # -- loaded weights ------------------------------------------------------------------
     def _hf_index(self):
@@ -418,6 +449,10 @@ def _build_kv_cache(cfg: ReferenceConfig, layer: int | None = None, after: int =
     return ModelPatch(decode_corrupt_after=after)
 
 
+def _build_chunk_context(cfg: ReferenceConfig, layer: int | None = None, **_: Any) -> ModelPatch:
+    return ModelPatch(chunk_context_lost=() if layer is None else (layer,))
+
+
 def _build_qk_perm_missing(cfg: ReferenceConfig, layer: int | None = None, **_: Any) -> ModelPatch:
     from ggufcheck.arch.transforms import llama_permute
 
@@ -493,6 +528,7 @@ def _patch_builders() -> dict[str, Callable[..., ModelPatch]]:
         "block-scale-corrupted": _build_block_scale, "allreduce-doubled": _build_allreduce_doubled,
         "gating-swapped": _build_gating_swapped, "sliding-window-ignored": _build_window_ignored,
         "swa-rope-base-wrong": _build_swa_rope_base, "attention-sinks-ignored": _build_sinks_ignored,
+        "chunk-context-lost": _build_chunk_context,
     }
 
 
@@ -503,7 +539,7 @@ _FIRST_LAYER: dict[str, Callable[[ReferenceConfig, int | None], int | None]] = {
     "indexer-ignored": _zero, "kv-cache-corrupt-decode": _none, "flat-output": _none,
     "qk-permutation-missing": _zero, "block-scale-corrupted": _last, "allreduce-doubled": _last,
     "gating-swapped": _first_moe, "sliding-window-ignored": _zero, "swa-rope-base-wrong": _zero,
-    "attention-sinks-ignored": _zero,
+    "attention-sinks-ignored": _zero, "chunk-context-lost": _none,
 }
 
 
@@ -541,6 +577,9 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
        layers_component="indexer"),
     _f("kv-cache-corrupt-decode", "decode", ALL_ARCHS, "paths",
        "decode writes the KV cache to the wrong slot from decode step `after` (default 2); prefill correct"),
+    _f("chunk-context-lost", "prefill", ALL_ARCHS, "paths",
+       "a chunked prefill reads the earlier chunks' KV cache as zeros (`layer=` one layer, default all); one "
+       "prefill and decode correct (catalog #7-#9: a context chunk's attention lost in the merge)"),
     _f("flat-output", "output", ALL_ARCHS, "logits",
        "near-uniform served distributions over healthy layers (engines.faults.FlatDistribution)"),
     _f("qk-permutation-missing", "rope", frozenset({"llama"}), "weights",
