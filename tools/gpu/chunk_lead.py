@@ -11,7 +11,8 @@ prompt ggufcheck's diagnose uses:
    chunk) and the reference, and prints each path's relative residual / attention / FFN error
    against the reference at that position, per layer: where it starts.
 
-Run: python tools/gpu/chunk_lead.py MODEL [--chunk 5] [--spec n_gpu_layers=99] [--runs 2]
+Run: python tools/gpu/chunk_lead.py MODEL [--chunk 5] [--spec n_gpu_layers=99] [--runs 2] [--prompt N]
+(``--spec ""``: llama.cpp's CPU backend, e.g. the Gemma 3 lead of docs/real-world-cases.md)
 (the environment, e.g. GGML_CUDA_CUBLAS_COMPUTE_TYPE, reaches the engine's process).
 """
 
@@ -39,7 +40,9 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, default=5)
     ap.add_argument("--spec", default="n_gpu_layers=99")
     ap.add_argument("--runs", type=int, default=2, help="repeat the chunked score: is it deterministic?")
-    ap.add_argument("--worst", type=int, default=2, help="positions traced per prompt")
+    ap.add_argument("--worst", type=int, default=2, help="positions printed per prompt")
+    ap.add_argument("--prompt", type=int, action="append", help="only these built-in prompts (0-based)")
+    ap.add_argument("--trace-above", type=float, default=0.05, help="trace a prompt whose worst KL is above this")
     args = ap.parse_args()
 
     from ggufcheck.checks.prompts import builtin_prompts
@@ -55,6 +58,8 @@ def main() -> int:
     print(f"engine: {engine.name}; reference: {reference.name}")
     kinds = ("residual", "attention", "ffn")
     for n, prompt in enumerate(builtin_prompts()):
+        if args.prompt and n not in args.prompt:
+            continue
         tokens = engine.tokenize(prompt.text)
         if not args.chunk < len(tokens) <= 2048:  # the engine's n_ctx
             continue
@@ -73,20 +78,21 @@ def main() -> int:
                   f"{kp[pos]:.3g}; vs reference: whole {kw[pos]:.3g}, chunked {kc[pos]:.3g}; argmax ref "
                   f"{int(ref[pos].argmax())} whole {int(whole[pos].argmax())} chunked {int(chunked[0][pos].argmax())}")
         pos = int(kp.argmax())
-        if kp[pos] < 0.05:
+        if kp[pos] < args.trace_above:
             continue
         rt = reference.layer_outputs(tokens, kinds).tensors
         wt = engine.layer_outputs(tokens, kinds).tensors
         ct = engine.chunked_layer_outputs(tokens, args.chunk, kinds).tensors
         layers = sorted({i for _, i in rt})
-        print(f"  traced at position {pos}: relative error vs the fp64 reference, whole / chunked")
+        print(f"  traced at position {pos}: relative error vs the fp64 reference, whole / chunked "
+              "[chunked vs whole]")
         for i in layers:
             row = []
             for kind in kinds:
                 r, w, c = rt.get((kind, i)), wt.get((kind, i)), ct.get((kind, i))
                 if r is None or w is None or c is None:
                     continue
-                row.append(f"{kind} {rel(w[pos], r[pos]):.3g} / {rel(c[pos], r[pos]):.3g}")
+                row.append(f"{kind} {rel(w[pos], r[pos]):.3g} / {rel(c[pos], r[pos]):.3g} [{rel(c[pos], w[pos]):.3g}]")
             print(f"    layer {i}: " + "; ".join(row))
         # over all positions of the chunked trace: which positions are off at the first bad layer
         for i in layers:

@@ -86,9 +86,12 @@ def where_paths_part(engine: Engine, tokens: Sequence[int], chunk_size: int, pos
     first = next((r for r in rows if not r["max"] <= allowance), None)
     found = {"allowance": allowance, "per_layer": rows, "chunk_size": chunk_size}
     if first is None:
-        found["text"] = (f"layer by layer the two paths stay within {allowance:.3g} of each other up to position "
-                         f"{position} (largest {max(r['max'] for r in rows):.3g}): they part after the last layer "
-                         "(output norm / head)")
+        top = max(rows, key=lambda r: r["max"])
+        found["text"] = (f"traced layer by layer, no layer's residual differs between the two paths by more than "
+                         f"the class allowance {allowance:.3g} up to position {position} (largest {top['max']:.3g}, "
+                         f"layer {top['layer']}; {rows[-1]['at_position']:.3g} at the last layer there): the "
+                         "logits differ more than the layers do (the output norm and head, or a position where "
+                         "small differences decide)")
         found["layer"], found["block"] = None, "output"
         return found
     i, t = first["layer"], first["at"]
