@@ -102,3 +102,15 @@ def test_a_context_llama_cpp_refuses_is_one_line_exit_2(tmp_path):
                            "llama-cpp:type_k=8,type_v=8", "--no-health"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "llama.cpp refused" in proc.stderr and "Traceback" not in proc.stderr
     assert "flash attention" in proc.stderr
+
+
+def test_where_paths_part_names_no_layer_for_llama_cpp_chunks_on_cpu(llama_engine, prompts):
+    """checks.path_layers on a real engine whose chunks agree with its one prefill: no layer is
+    named (a false 'layer N' would send a user to a healthy kernel)."""
+    from ggufcheck.checks.path_layers import allowance_for, where_paths_part
+
+    tokens = llama_engine.tokenize(prompts[1])
+    found = where_paths_part(llama_engine, tokens, 4, len(tokens) - 1,
+                             allowance_for(llama_engine.capabilities.activation_dtype))
+    assert found["layer"] is None and len(found["per_layer"]) == 30, found["text"]
+    assert "no layer's residual differs" in found["text"]
