@@ -22,6 +22,15 @@ def report():
     return run_kernel_stage(KernelOptions(target=ProbeTarget(sys.executable, 0)))
 
 
+def test_the_stage_says_where_its_time_went(report):
+    """Each case's wall time (building, compiling, running) and the probe's own start are in
+    the stage's info; the cases' sum fits inside the probe's whole time."""
+    split = report.info["time"]
+    assert split["probe_s"] > 0 and split["startup_s"] > 0
+    assert 0 < split["cases_s"] <= split["probe_s"]
+    assert len(split["slowest"]) == 5 and split["slowest"][0][1] >= split["slowest"][-1][1]
+
+
 def test_cpu_kernels_agree_with_fp64(report):
     bad = [r for r in report.results if r.status in (Status.FAIL, Status.ERROR)]
     assert not bad, "\n".join(r.message for r in bad)

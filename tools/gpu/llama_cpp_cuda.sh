@@ -85,7 +85,19 @@ fi
 if has hfprof; then  # issue 20's hf lead: where the time of a tiny model's bf16 CUDA diagnose goes
   python3 -c "from ggufcheck.testing.tiny import build_tiny_gguf as b; b('glm-dsa', '/tmp/l20/models/dsa7.gguf', seed=7, qtypes='Q8_0', n_ff_exp=64)"
   step 150 hfprof python3 -m cProfile -o $W/hfprof.prof -m ggufcheck diagnose $W/models/dsa7.gguf --engine hf:bf16@cuda --device 0 --no-sanity --sweep-to 0 --json $W/hfprof.json
-  python3 -c "import json; print('stage timings', json.load(open('$W/hfprof.json')).get('timings'))"
+  python3 - "$W/hfprof.json" <<'EOF2'
+import json, sys
+doc = json.load(open(sys.argv[1]))
+print("stage timings", doc.get("timings"))
+for st in doc["stages"]:
+    info = st.get("info") or {}
+    if "time" in info:
+        print(st.get("stage"), "time split", info["time"])
+    for r in st.get("results", []):
+        sec = (r.get("stats") or {}).get("seconds")
+        if sec is not None and sec > 0.5:
+            print("  ", st.get("stage"), r.get("check"), sec, "s")
+EOF2
   python3 -c "import pstats; pstats.Stats('$W/hfprof.prof').sort_stats('cumulative').print_stats(45)" | tail -60
 fi
 

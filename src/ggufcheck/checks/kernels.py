@@ -377,7 +377,7 @@ def run_kernel_stage(options: KernelOptions = KernelOptions()) -> StageReport:
         answers, fatal = run_plan(plan, options, str(data_file))
     report = StageReport("kernels", info={"model": str(options.model) if options.model else None,
                                           "shapes": shapes.__dict__ if shapes else "default (GLM-5 / DeepSeek-V3)",
-                                          "data": notes, "probe": fatal})
+                                          "data": notes, "probe": fatal, "time": time_split(answers, fatal)})
     for fatal in fatal.get("messages", []):
         if fatal.get("type") == "fatal" and not fatal.get("after"):  # nothing could run at all
             report.add(errored("kernels.probe", "kernel", f"the kernel probe could not start in "
@@ -387,16 +387,26 @@ def run_kernel_stage(options: KernelOptions = KernelOptions()) -> StageReport:
     return report
 
 
+def time_split(answers: list[dict], info: dict) -> dict:
+    """Where the stage's time went: the probe's start (importing torch, opening the GPU), the
+    whole probe, the cases together and the five slowest (first calls include compiling)."""
+    timed = sorted(((a["case"], a["seconds"]) for a in answers if "seconds" in a), key=lambda x: -x[1])
+    starts = [m["startup_s"] for m in info.get("messages", []) if m.get("type") == "info" and "startup_s" in m]
+    return {"probe_s": info.get("probe_s"), "startup_s": sum(starts) if starts else None,
+            "cases_s": round(sum(t for _, t in timed), 3), "slowest": [list(x) for x in timed[:5]]}
+
+
 def run_plan(plan: list[dict], options: KernelOptions, data_file: str | None) -> tuple[list[dict], dict]:
     """Run the plan; restart after a crash inside a case (that case FAILs at 'runs')."""
     answers: list[dict] = []
-    info: dict[str, Any] = {"restarts": 0, "messages": []}
+    info: dict[str, Any] = {"restarts": 0, "messages": [], "probe_s": 0.0}
     remaining = list(plan)
     for attempt in range(MAX_RESTARTS + 1):
         request = {"cases": remaining, "data_file": data_file, "time": options.time_kernels}
         out = run_probe("ggufcheck_probe_kernels.py", request, options.target,
                         idle_timeout=options.case_timeout_s, total_timeout=options.total_timeout_s)
         info["messages"] += [m for m in out.messages if m.get("type") in ("info", "fatal")]
+        info["probe_s"] = round(info["probe_s"] + out.elapsed_s, 3)
         got = out.of_type("result")
         answers += got
         if out.done:

@@ -20,7 +20,10 @@ import importlib
 import math
 import os
 import sys
+import time
 import warnings
+
+BOOT = time.monotonic()  # the probe's start: importing torch and opening CUDA count against it
 
 from ggufcheck_probe_common import emit, exception_text, open_channel, read_request
 from ggufcheck_probe_tiers import (KernelCase, NotInstalled, Unsupported, run_case,
@@ -652,7 +655,7 @@ def main() -> None:
         emit({"type": "done"})
         return
     cuda = torch.cuda.is_available()
-    emit({"type": "info", "torch": torch.__version__, "cuda": cuda,
+    emit({"type": "info", "torch": torch.__version__, "cuda": cuda, "startup_s": round(time.monotonic() - BOOT, 3),
           "gpu": torch.cuda.get_device_name(0) if cuda else None,
           "capability": list(torch.cuda.get_device_capability(0)) if cuda else None})
     data = None
@@ -663,6 +666,7 @@ def main() -> None:
         if spec.get("when", when) != when:
             continue  # the plan holds a GPU and a CPU version of each case
         emit({"type": "start", "case": spec["id"]})
+        started = time.monotonic()
         try:
             case = BUILDERS[spec["kind"]](spec, data)
             result = run_case(case, time_it=bool(request.get("time")) and spec["device"].startswith("cuda"))
@@ -670,6 +674,7 @@ def main() -> None:
             result = {"type": "result", "case": spec["id"], "kind": spec["kind"], "status": "ERROR",
                       "tier": "imports", "message": f"probe could not build the case: {exception_text(exc)}",
                       "stats": {}}
+        result["seconds"] = round(time.monotonic() - started, 3)  # building, compiling and running it
         emit(result)
         if spec["device"].startswith("cuda") and result["status"] == "FAIL":
             try:
