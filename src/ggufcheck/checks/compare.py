@@ -92,8 +92,7 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
     """Score ``sequences`` on every engine and judge; returns [sanity, logits, paths] reports."""
     say = progress or (lambda _msg: None)
     seqs = [[int(t) for t in s] for s in sequences if len(s) >= 2]
-    say(f"scoring {len(seqs)} prompts on {engine.name}")
-    seqs, tables, declined = _score_what_the_engine_takes(engine, seqs, options.top_k)
+    seqs, tables, declined = _score_what_the_engine_takes(engine, seqs, options.top_k, say)
     if not seqs:  # e.g. every prompt longer than the engine's context: nothing to compare
         why = declined[0].message if declined else "no prompt of at least 2 tokens"
         return [StageReport(name, results=[skipped(name, "output", f"no prompt was scored: {why}")])
@@ -107,11 +106,11 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
     def reference_score(seq) -> TokenLogprobs:  # each sequence scored once on the reference
         key = tuple(int(t) for t in seq)
         if key not in scored:
+            say(f"scoring {len(key)} tokens on {reference.name}")
             scored[key] = reference.score(list(key))
         return scored[key]
 
     if reference is not None:
-        say(f"scoring {len(seqs)} prompts on {reference.name}")
         if hasattr(reference, "tie_margin"):  # DSA top-k near-ties the engine's class may flip
             reference.tie_margin = INDEXER_TIE_MARGINS.get(engine.capabilities.activation_dtype, 0.0)
         if hasattr(reference, "router_margin"):  # MoE routing near-ties the engine's class may flip
@@ -130,7 +129,6 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
     paths_stage = StageReport("paths", info={"engine": engine.describe()})
     generations = []
     if options.run_paths:
-        say("checking execution paths (prefill vs decode, batch, determinism, chunks)")
         popts = PathOptions(max_new_tokens=options.max_new_tokens, decode_prompts=options.decode_prompts,
                             chunk_sizes=options.chunk_sizes, tolerance=options.tolerance, top_k=options.top_k,
                             indexer_top_k=options.indexer_top_k, long_decode_to=options.long_decode_to)
@@ -138,7 +136,8 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
         ambiguity = (lambda seq: reference_score(seq).ambiguous) if reference is not None else None
         results, generations = run_paths(engine, seqs, tables, popts, baseline=path_baseline, long_prompt=long_prompt,
                                          ambiguity=ambiguity,
-                                         reference_score=reference_score if reference is not None else None)
+                                         reference_score=reference_score if reference is not None else None,
+                                         progress=say)
         paths_stage.add(results)
         paths_stage.info["baseline"] = path_baseline.source
     else:
@@ -269,11 +268,13 @@ def _sweep(engine: Engine, seqs, generations, reference_score, baseline: Baselin
                                  measured=baseline_engine.score(sequence) if baseline_engine is not None else None)
 
 
-def _score_what_the_engine_takes(engine: Engine, seqs: list[list[int]], top_k: int):
+def _score_what_the_engine_takes(engine: Engine, seqs: list[list[int]], top_k: int, say: Progress | None = None):
     """Score each sequence; one the engine declines (:class:`Unsupported`, e.g. longer than its
     context) is left out of every check, with a SKIP saying which and why."""
     kept, tables, declined = [], [], []
     for i, seq in enumerate(seqs):
+        if say is not None:
+            say(f"scoring prompt {i + 1}/{len(seqs)} ({len(seq)} tokens) on {engine.name}")
         try:
             tables.append(engine.score(seq, top_k=top_k))
             kept.append(seq)

@@ -330,7 +330,8 @@ def check_past_indexer_top_k(engine: Engine, long_prompt: Sequence[int] | None, 
 def run_paths(engine: Engine, prompts: Sequence[Sequence[int]], singles: Sequence[TokenLogprobs],
               options: PathOptions = PathOptions(), *, baseline: Baseline | None = None,
               long_prompt: Sequence[int] | None = None, ambiguity: Ambiguity | None = None,
-              reference_score: ReferenceScore | None = None) -> tuple[list[Result], list[Generation]]:
+              reference_score: ReferenceScore | None = None,
+              progress: Callable[[str], None] | None = None) -> tuple[list[Result], list[Generation]]:
     """All path checks. ``singles`` are the engine's own teacher-forced tables of ``prompts``;
     ``ambiguity`` gives the reference's ambiguous rows of a sequence (left out of every pair);
     ``reference_score`` its log-probs (a failing chunked pair: which path is wrong).
@@ -342,7 +343,13 @@ def run_paths(engine: Engine, prompts: Sequence[Sequence[int]], singles: Sequenc
     results: list[Result] = []
     generations: list[Generation] = []
 
+    say = progress or (lambda _m: None)
+    labels = {"paths.prefill_vs_decode": "prefill vs step-by-step decode", "paths.batch_invariance": "batch invariance",
+              "paths.determinism": "determinism", "paths.chunked_prefill": "chunked prefill",
+              "paths.past_indexer_top_k": "decode past the indexer's top-k"}
+
     def attempt(check: str, component: str, run):
+        say(f"paths {list(labels).index(check) + 1}/{len(labels)}: {labels[check]}")
         try:
             return run()
         except Unsupported as why:
