@@ -253,3 +253,17 @@ def test_llama_cpp_loads_split(tiny_split, tiny_gguf):
     _, a = _llama_eval(split.path)
     _, b = _llama_eval(whole.path)
     np.testing.assert_array_equal(a, b)
+
+
+def test_qwen2_and_phi3_head_dim_follows_n_embd():
+    """Their files carry no attention.key_length (as llama.cpp's converter writes them), so a
+    reader takes head_dim = n_embd / n_head: a wider tiny model gets that head_dim (llama.cpp
+    refused the file before: 'attn_q has wrong shape'), and a contradicting head_dim is refused."""
+    from ggufcheck.errors import GGUFCheckError
+    from ggufcheck.testing.tiny import tiny_dims
+
+    for arch in ("qwen2", "phi3"):
+        d = tiny_dims(arch, n_embd=256)
+        assert d.n_head * d.head_dim == 256
+        with pytest.raises(GGUFCheckError, match="key_length"):
+            tiny_dims(arch, n_embd=256, head_dim=16)

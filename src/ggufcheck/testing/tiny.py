@@ -157,7 +157,15 @@ def tiny_dims(arch: str, **overrides: Any) -> TinyDims:
     """The default :class:`TinyDims` of ``arch`` with ``overrides`` applied."""
     if arch not in DEFAULT_DIMS:
         raise GGUFCheckError(f"unknown tiny arch {arch!r}; known: {', '.join(ARCHS)}")
-    return dataclasses.replace(DEFAULT_DIMS[arch], **overrides)
+    d = dataclasses.replace(DEFAULT_DIMS[arch], **overrides)
+    if arch in ("qwen2", "phi3") and d.n_head * d.head_dim != d.n_embd:
+        # their files carry no key_length (as the converter writes them): readers take
+        # head_dim = n_embd / n_head, so a file with other dims is one llama.cpp refuses
+        if "head_dim" in overrides:
+            raise GGUFCheckError(f"tiny {arch}: n_head * head_dim ({d.n_head} * {d.head_dim}) must equal n_embd "
+                                 f"({d.n_embd}): its files carry no attention.key_length")
+        d = dataclasses.replace(d, head_dim=d.n_embd // d.n_head)
+    return d
 
 
 # ---------------------------------------------------------------------------------------
