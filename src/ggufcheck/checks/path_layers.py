@@ -14,6 +14,15 @@ fails, this looks inside, with two computations the check did not use:
   a first token of a chunk is the fingerprint of a chunk-boundary (context merge) bug.
 
 Engines that cannot trace a chunked prefill get the first part alone.
+
+Before any of that, MoE routing: where the two paths choose different experts for a token
+while the engine's own selection scores are a near-tie there (:func:`routing_near_tie_flips`,
+the engine class's margin of checks.logits.ROUTER_TIE_MARGINS), two correct paths may break
+the tie differently, and every later row reads that token through the KV cache. The reference's
+ties are already left out of the pair, but an engine whose inputs differ from the reference's
+(earlier tokens routed otherwise, in both paths alike) has near-ties of its own: measured on
+the H100, a tiny deepseek2 Q4_K through llama.cpp's CUDA backend. Those rows are left out and
+the pair judged again (checks.paths).
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ import numpy as np
 from ggufcheck.checks.layers.options import LayerOptions
 from ggufcheck.engines.base import Engine, TokenLogprobs, Unsupported
 
-KINDS = ("residual", "attention", "ffn")
+KINDS = ("residual", "attention", "ffn", "router", "router_probs", "router_biased")
 
 
 def allowance_for(activation_class: str, options: LayerOptions = LayerOptions()) -> float:
@@ -65,15 +74,57 @@ def which_path(whole: TokenLogprobs, chunked: TokenLogprobs, reference: TokenLog
     return {"kl_from_reference": kl, "wrong": wrong, "text": text}
 
 
-def where_paths_part(engine: Engine, tokens: Sequence[int], chunk_size: int, position: int,
-                     allowance: float) -> dict | None:
-    """The first layer (and block) where the chunked trace leaves the one-prefill trace, or
-    None when the engine traces no chunked prefill."""
+def selection_gap(scores: np.ndarray, k: int) -> np.ndarray:
+    """[T] the k-th largest selection score minus the (k+1)-th: how close the top-k choice was."""
+    top = -np.sort(-np.asarray(scores, np.float64), axis=-1)[:, :k + 1]
+    return top[:, k - 1] - top[:, k]
+
+
+def routing_near_tie_flips(whole: dict, chunked: dict, margin: float) -> list[dict]:
+    """Positions where the two paths chose different experts in a layer while the engine's own
+    selection scores there were a near-tie (gap below ``margin`` in either path): two correct
+    paths of one engine may break such a tie differently (their roundings differ). Sorted by
+    position; one entry per position, its first such layer."""
+    flips: dict[int, dict] = {}
+    for (kind, i), ids_w in whole.items():
+        ids_c = chunked.get((kind, i))
+        if kind != "router" or ids_c is None:
+            continue
+        n = min(len(ids_w), len(ids_c))
+        differ = np.flatnonzero([set(a) != set(b) for a, b in zip(ids_w[:n].tolist(), ids_c[:n].tolist())])
+        if not len(differ):
+            continue
+        scores_w = whole.get(("router_biased", i), whole.get(("router_probs", i)))
+        scores_c = chunked.get(("router_biased", i), chunked.get(("router_probs", i)))
+        if scores_w is None or scores_c is None:
+            continue
+        k = ids_w.shape[-1]
+        gap = np.minimum(selection_gap(scores_w[:n], k), selection_gap(scores_c[:n], k))
+        for t in differ:
+            t = int(t)
+            if gap[t] < margin and (t not in flips or i < flips[t]["layer"]):
+                flips[t] = {"position": t, "layer": i, "gap": float(gap[t])}
+    return [flips[t] for t in sorted(flips)]
+
+
+def traces(engine: Engine, tokens: Sequence[int], chunk_size: int) -> tuple[dict, dict] | None:
+    """(one-prefill, chunked) layer tensors, or None when the engine traces no chunked prefill."""
     try:
         whole = engine.layer_outputs(list(tokens), KINDS).tensors
         chunked = engine.chunked_layer_outputs(list(tokens), chunk_size, KINDS).tensors
     except Unsupported:
         return None
+    return whole, chunked
+
+
+def where_paths_part(engine: Engine, tokens: Sequence[int], chunk_size: int, position: int,
+                     allowance: float, traced: tuple[dict, dict] | None = None) -> dict | None:
+    """The first layer (and block) where the chunked trace leaves the one-prefill trace, or
+    None when the engine traces no chunked prefill."""
+    traced = traced or traces(engine, tokens, chunk_size)
+    if traced is None:
+        return None
+    whole, chunked = traced
     layers = sorted(i for kind, i in whole if kind == "residual" and ("residual", i) in chunked)
     if not layers:
         return None
@@ -95,6 +146,19 @@ def where_paths_part(engine: Engine, tokens: Sequence[int], chunk_size: int, pos
         found["layer"], found["block"] = None, "output"
         return found
     i, t = first["layer"], first["at"]
+    ids_w, ids_c = whole.get(("router", i)), chunked.get(("router", i))
+    if ids_w is not None and ids_c is not None and set(ids_w[t].tolist()) != set(ids_c[t].tolist()):
+        scores_w = whole.get(("router_biased", i), whole.get(("router_probs", i)))
+        scores_c = chunked.get(("router_biased", i), chunked.get(("router_probs", i)))
+        gap = None if scores_w is None or scores_c is None else float(min(
+            selection_gap(scores_w[t:t + 1], ids_w.shape[-1])[0], selection_gap(scores_c[t:t + 1], ids_c.shape[-1])[0]))
+        found.update(layer=i, block="routing", position=t, routing_gap=gap)
+        found["text"] = (f"traced layer by layer, the chunked prefill first leaves the one prefill at layer {i}, where "
+                         f"the two paths route position {t} to different experts ({sorted(ids_w[t].tolist())} vs "
+                         f"{sorted(ids_c[t].tolist())}"
+                         + (f"; the engine's own selection scores there are {gap:.3g} apart at the top-k boundary)"
+                            if gap is not None else ")"))
+        return found
     block = "ffn"
     attn_w, attn_c = whole.get(("attention", i)), chunked.get(("attention", i))
     if attn_w is not None and attn_c is not None:
@@ -124,7 +188,8 @@ def where_paths_part(engine: Engine, tokens: Sequence[int], chunk_size: int, pos
 
 def localize_chunked(engine: Engine, tokens: Sequence[int], chunk_size: int, position: int,
                      whole: TokenLogprobs, chunked: TokenLogprobs, limit: float,
-                     reference_score: Callable[[Sequence[int]], TokenLogprobs] | None = None) -> dict:
+                     reference_score: Callable[[Sequence[int]], TokenLogprobs] | None = None,
+                     traced: tuple[dict, dict] | None = None) -> dict:
     """Both parts for a failed chunked pair; ``text`` is the sentence added to the check."""
     found: dict = {}
     texts = []
@@ -133,9 +198,43 @@ def localize_chunked(engine: Engine, tokens: Sequence[int], chunk_size: int, pos
         found["which_path"] = side
         texts.append(side["text"])
     part = where_paths_part(engine, tokens, chunk_size, position,
-                            allowance_for(engine.capabilities.activation_dtype))
+                            allowance_for(engine.capabilities.activation_dtype), traced)
     if part is not None:
         found["where"] = part
         texts.append(part["text"])
     found["text"] = "; ".join(texts)
     return found
+
+
+# at most this many sequences of a failing pair are traced to look for routing near-ties
+MAX_TRACED = 4
+
+
+def routing_tie_rows(engine: Engine, prompts: Sequence[Sequence[int]], pairs: Sequence[tuple[TokenLogprobs, TokenLogprobs]],
+                     chunk_size: int, limit: float, margin: float) -> tuple[list[np.ndarray | None], dict, dict]:
+    """For each pair whose rows exceed ``limit``: the rows from the first routing near-tie that
+    the two paths broke differently (:func:`routing_near_tie_flips`) onward (later rows read
+    that token's keys through the cache), as [T] bool marks (None: nothing to leave out);
+    the flips found, per sequence; and the traces taken, by sequence (reused to localize)."""
+    from ggufcheck.checks.logits import collect
+
+    marks: list[np.ndarray | None] = [None] * len(pairs)
+    found: dict[int, list[dict]] = {}
+    taken: dict[int, tuple[dict, dict]] = {}
+    over = []
+    for s, pair in enumerate(pairs):
+        m = collect([pair])
+        if m.n and float(np.nan_to_num(m.kl, nan=np.inf).max()) > limit:
+            over.append(s)
+    for s in over[:MAX_TRACED]:
+        traced = traces(engine, prompts[s], chunk_size)
+        if traced is None:
+            break
+        taken[s] = traced
+        flips = routing_near_tie_flips(*traced, margin)
+        if flips:
+            found[s] = flips
+            rows = np.zeros(len(pairs[s][0].tokens), dtype=bool)
+            rows[flips[0]["position"]:] = True
+            marks[s] = rows
+    return marks, found, taken

@@ -134,7 +134,7 @@ def _judge_pairs(check: str, component: str, what: str, pairs: Sequence[tuple[To
            f"(limit {max_limit:.3g}), argmax {agree}/{m.n} agree"
            f"{f' ({exact} exactly, the others near-ties)' if exact < agree else ''}, over {m.n} positions")
     if m.ambiguous:
-        msg += f" ({m.ambiguous} after an indexer top-k or MoE routing tie of the reference left out)"
+        msg += f" ({m.ambiguous} after an indexer top-k or MoE routing near-tie left out)"
         stats["ambiguous_positions"] = m.ambiguous
     if kl["max"] > max_limit and max_ok:
         msg += (f"; the largest, at sequence {worst['sequence']} position {worst['position']}, starts no "
@@ -291,15 +291,18 @@ def check_chunked_prefill(engine: Engine, prompts: Sequence[Sequence[int]], sing
                 out.append(skipped(f"paths.chunked_prefill[{size}]", "prefill",
                                    f"no prompt longer than the chunk size {size}"))
                 continue
-            result = _pair_verdict(f"paths.chunked_prefill[{size}]", "prefill",
-                                   f"one prefill vs chunks of {size}", pairs, baseline, options.tolerance,
-                                   {**landmarks(options), f"the start of the second chunk of {size} tokens, position": size})
+            check, what = f"paths.chunked_prefill[{size}]", f"one prefill vs chunks of {size}"
+            marks = {**landmarks(options), f"the start of the second chunk of {size} tokens, position": size}
+            result = _pair_verdict(check, "prefill", what, pairs, baseline, options.tolerance, marks)
+            taken: dict = {}
+            if result.failed:
+                result, taken = _past_routing_ties(engine, used, pairs, size, result, what, baseline, options, marks)
             if result.failed:
                 from ggufcheck.checks.path_layers import localize_chunked
 
                 seq, pos = result.worst["sequence"], result.worst["position"]
                 found = localize_chunked(engine, used[seq], size, pos, *pairs[seq], result.stats["kl_max_limit"],
-                                         reference_score)
+                                         reference_score, taken.get(seq))
                 if found["text"]:
                     result.message += f"; at sequence {seq} position {pos}: " + found["text"]
                     result.stats["localized"] = found
@@ -308,6 +311,41 @@ def check_chunked_prefill(engine: Engine, prompts: Sequence[Sequence[int]], sing
                         result.layer = where["layer"]
             out.append(result)
     return out
+
+
+def _past_routing_ties(engine: Engine, prompts, pairs, size: int, result: Result, what: str, baseline: Baseline,
+                       options: PathOptions, marks: dict[str, int]) -> tuple[Result, dict]:
+    """A failing chunked pair judged again without the rows after a MoE routing near-tie
+    that the two paths broke differently, in the engine's own router scores (the reference's
+    ties are already left out; an engine whose inputs already differ from the reference's has
+    ties of its own there). Passes only if the rest agrees; the traces taken are returned."""
+    from ggufcheck.checks.logits import ROUTER_TIE_MARGINS
+    from ggufcheck.checks.path_layers import routing_tie_rows
+
+    margin = ROUTER_TIE_MARGINS.get(engine.capabilities.activation_dtype, 0.0)
+    if margin <= 0:
+        return result, {}
+    rows, flips, taken = routing_tie_rows(engine, prompts, pairs, size, result.stats["kl_max_limit"], margin)
+    if not flips:
+        return result, taken
+    marked = []
+    for (a, b), extra in zip(pairs, rows):
+        if extra is not None:
+            a = replace(a, ambiguous=extra if a.ambiguous is None else (np.asarray(a.ambiguous, bool) | extra))
+        marked.append((a, b))
+    again = _pair_verdict(result.check, result.component, what, marked, baseline, options.tolerance, marks)
+    where = "; ".join(f"sequence {s} from position {f[0]['position']} (layer {f[0]['layer']}, scores "
+                      f"{f[0]['gap']:.2g} apart)" for s, f in flips.items())
+    note = (f"; the two paths broke a MoE routing near-tie of the engine's own router scores (below the "
+            f"{engine.capabilities.activation_dtype} margin {margin:g}) differently: {where}")
+    if again.failed:
+        result.message += note + ", and the pair fails without those rows too"
+        result.stats["routing_ties"] = flips
+        return result, taken
+    again.message += note + "; those rows, which read that token through the cache, are left out"
+    again.stats["routing_ties"] = flips
+    again.stats["with_them"] = {k: result.stats.get(k) for k in ("kl", "kl_limit", "kl_max_limit")}
+    return again, taken
 
 
 def check_past_indexer_top_k(engine: Engine, long_prompt: Sequence[int] | None, baseline: Baseline,

@@ -46,7 +46,10 @@ from ggufcheck.errors import Unavailable
 # Per-layer tensor kinds an engine may expose through ``layer_outputs``.
 # "rope": the rope call's query / key heads in and out [T, 2, N, R] (with "ropepos" [T] and
 # "ropeqheads" [T] alongside), see checks/rope.py.
-LAYER_KINDS = ("residual", "attention", "ffn", "moe", "router", "indexer", "rope")
+# "router": [T, k] chosen expert ids; "router_probs" [T, n_expert]: the gating function's
+# output, "router_biased" the same plus the selection bias where the model has one (the
+# scores experts are chosen by: how close a choice was, checks/path_layers.py).
+LAYER_KINDS = ("residual", "attention", "ffn", "moe", "router", "router_probs", "router_biased", "indexer", "rope")
 
 
 class Unsupported(Unavailable):

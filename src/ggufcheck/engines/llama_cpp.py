@@ -48,6 +48,8 @@ NODE_KINDS = {
     "ffn_out": "ffn",
     "ffn_moe_out": "moe",
     "ffn_moe_topk": "router",  # int32 expert ids chosen per token
+    "ffn_moe_probs": "router_probs",  # [T, n_expert] after the gating function
+    "ffn_moe_probs_biased": "router_biased",  # + exp_probs_b: what the top-k is taken over
 }
 # gemma3.cpp names the blocks' outputs after their post-norms (what is added to the
 # residual, as the reference's attn_out / ffn_out); its "ffn_out" is BEFORE the post-norm
