@@ -42,6 +42,9 @@ def test_real_env_probe_in_this_interpreter(env_run):
     assert by["environment.package.json"].status == Status.PASS
     assert by["environment.package.ggufcheck_surely_missing_pkg"].status == Status.SKIP
     assert by["environment.torch"].status == Status.PASS
+    split = environment_report(env_run.messages).info["time"]  # where the probe's time went
+    assert set(split["imports"]) == {"json", "this", "ggufcheck_surely_missing_pkg"}
+    assert split["imports_s"] == round(sum(split["imports"].values()), 3) > 0 and split["scan_s"] == 0
 
 
 def test_library_prints_cannot_corrupt_the_channel(env_run):

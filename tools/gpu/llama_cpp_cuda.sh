@@ -101,6 +101,33 @@ EOF2
   python3 -c "import pstats; pstats.Stats('$W/hfprof.prof').sort_stats('cumulative').print_stats(45)" | tail -60
 fi
 
+if has recheck; then  # the second call: the first call's open rows, after the fixes they led to
+  python3 - <<'EOF2'
+from ggufcheck.testing.tiny import build_tiny_gguf as b
+d = dict(seed=3, n_embd=256, n_ff=512, n_ff_exp=256)
+b("deepseek2", "/tmp/l20/models/ds2-q4k.gguf", qtypes="Q4_K", **d)
+for arch in ("qwen2", "phi3", "glm4moe"):
+    b(arch, f"/tmp/l20/models/fam-{arch}.gguf", qtypes="Q4_K", **d)
+EOF2
+  D="python3 -m ggufcheck diagnose --no-sanity --no-kernels"
+  TAILN=30 step 60 re-ds2-f32 env GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32 $D --sweep-to 0 $W/models/ds2-q4k.gguf --engine llama-cpp:n_gpu_layers=99 --json $W/re-ds2-f32.json
+  TAILN=4 step 60 re-ds2-auto $D --sweep-to 0 $W/models/ds2-q4k.gguf --engine llama-cpp:n_gpu_layers=99 --json $W/re-ds2-auto.json
+  for m in qwen2 phi3 glm4moe; do
+    TAILN=14 step 45 re-fam-$m $D $W/models/fam-$m.gguf --engine llama-cpp:n_gpu_layers=99 --json $W/re-fam-$m.json
+  done
+  # Q2_K with a q8_0 KV cache and flash attention: prefill KL 0.09 on CUDA (5e-05 on the CPU backend)
+  TAILN=4 step 60 q2k-keep python3 -m ggufcheck quants --types Q2_K,Q4_K --engine llama-cpp:n_gpu_layers=99,flash_attn=1,type_k=8,type_v=8 --keep $W/models/qm --json $W/q2k-keep.json
+  for kv in "type_k=8,type_v=8" "type_k=8,type_v=1" "type_k=1,type_v=8" "type_k=1,type_v=1"; do
+    TAILN=40 step 45 q2k-$kv $D --sweep-to 0 $W/models/qm/matrix-q2_k.gguf --engine llama-cpp:n_gpu_layers=99,flash_attn=1,$kv --json $W/q2k-$kv.json
+  done
+  TAILN=6 step 45 q4k-kvq8 $D --sweep-to 0 $W/models/qm/matrix-q4_k.gguf --engine llama-cpp:n_gpu_layers=99,flash_attn=1,type_k=8,type_v=8 --json $W/q4k-kvq8.json
+fi
+
+if has envtime; then  # where the environment stage's time goes (imports, fatbinary parse, cuobjdump)
+  step 120 envtime python3 -m ggufcheck env --device 0 --json $W/envtime.json
+  python3 -c "import json; d=json.load(open('$W/envtime.json')); print([ (s['stage'], s['info'].get('time')) for s in d['stages']])"
+fi
+
 if has matrix2; then  # the matrix quiet, then with llama.cpp's log on
   TAILN=30 step 100 quants-ngl99 python3 -m ggufcheck quants --engine llama-cpp:n_gpu_layers=99 --json $W/quants-ngl99.json
   TAILN=30 step 100 quants-ngl99-fa python3 -m ggufcheck quants --engine llama-cpp:n_gpu_layers=99,flash_attn=1 --json $W/quants-ngl99-fa.json

@@ -10,6 +10,7 @@ launch fails with "no kernel image is available").
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -78,7 +79,22 @@ def environment_report(messages: list[dict]) -> StageReport:
             name = m["name"]
             if extensions.get(name) or summaries.get(name, {}).get("files"):
                 report.add(binary_results(name, extensions.get(name, []), summaries.get(name, {}), gpu))
+    report.info["time"] = time_split(messages)
     return report
+
+
+def time_split(messages: list[dict]) -> dict:
+    """Where the probe's time went: importing each package (in a child of its own), parsing
+    the shared objects' fatbinaries, and cross-checking them with cuobjdump; slowest files."""
+    imports = {m["name"]: m["seconds"] for m in messages
+               if m.get("type") == "result" and m.get("kind") == "package" and "seconds" in m}
+    ext = [m for m in messages if m.get("type") == "extension"]
+    files = sorted(((os.path.basename(m["file"]), m.get("scan_s", 0.0) + m.get("cuobjdump_s", 0.0)) for m in ext),
+                   key=lambda x: -x[1])
+    return {"imports_s": round(sum(imports.values()), 3), "imports": imports,
+            "scan_s": round(sum(m.get("scan_s", 0.0) for m in ext), 3),
+            "cuobjdump_s": round(sum(m.get("cuobjdump_s", 0.0) for m in ext), 3),
+            "slowest_files": [list(x) for x in files[:5]]}
 
 
 def _torch_result(torch: dict) -> Result:

@@ -176,9 +176,11 @@ def scan_extensions(name: str, directory: str, gpu: dict | None, budget: list[fl
         seen.add(real)
         files += 1
         message = {"type": "extension", "package": name, "file": path}
+        t_scan = time.monotonic()
         try:
             message["size"] = os.path.getsize(path)
             scan = fatbin.scan_file(path)
+            message["scan_s"] = round(time.monotonic() - t_scan, 3)
         except (OSError, fatbin.FatbinError) as exc:
             message["error"] = str(exc)
             emit(message)
@@ -192,6 +194,7 @@ def scan_extensions(name: str, directory: str, gpu: dict | None, budget: list[fl
         if scan["entries"] and budget[0] > 0:
             t0 = time.monotonic()
             message["cuobjdump"] = fatbin.cuobjdump_archs(path, timeout=min(60.0, budget[0]))
+            message["cuobjdump_s"] = round(time.monotonic() - t0, 3)
             budget[0] -= time.monotonic() - t0
         emit(message)
     emit({"type": "extension_summary", "package": name, "files": files,
