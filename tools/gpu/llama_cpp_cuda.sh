@@ -123,6 +123,22 @@ EOF2
   TAILN=6 step 45 q4k-kvq8 $D --sweep-to 0 $W/models/qm/matrix-q4_k.gguf --engine llama-cpp:n_gpu_layers=99,flash_attn=1,type_k=8,type_v=8 --json $W/q4k-kvq8.json
 fi
 
+if has recheck2; then  # router ids read from ffn_moe_argsort; Q2_K with a q8_0 K cache without flash attention
+  python3 - <<'EOF2'
+from ggufcheck.testing.tiny import build_tiny_gguf as b
+d = dict(seed=3, n_embd=256, n_ff=512, n_ff_exp=256)
+b("deepseek2", "/tmp/l20/models/ds2-q4k.gguf", qtypes="Q4_K", **d)
+b("glm4moe", "/tmp/l20/models/fam-glm4moe.gguf", qtypes="Q4_K", **d)
+EOF2
+  D="python3 -m ggufcheck diagnose --no-sanity --no-kernels"
+  TAILN=12 step 60 re2-ds2-f32 env GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32 $D --sweep-to 0 $W/models/ds2-q4k.gguf --engine llama-cpp:n_gpu_layers=99 --json $W/re2-ds2-f32.json
+  TAILN=12 step 45 re2-glm4moe $D $W/models/fam-glm4moe.gguf --engine llama-cpp:n_gpu_layers=99 --json $W/re2-glm4moe.json
+  TAILN=2 step 40 q2k-keep python3 -m ggufcheck quants --types Q2_K --engine llama-cpp:n_gpu_layers=99 --keep $W/models/qm
+  for kv in "type_k=8,flash_attn=0" "type_k=8,type_v=8,flash_attn=1,n_batch=16"; do
+    TAILN=12 step 40 q2k-$kv $D --sweep-to 0 $W/models/qm/matrix-q2_k.gguf --engine llama-cpp:n_gpu_layers=99,$kv --json $W/q2k-$kv.json
+  done
+fi
+
 if has envtime; then  # where the environment stage's time goes (imports, fatbinary parse, cuobjdump)
   step 120 envtime python3 -m ggufcheck env --device 0 --json $W/envtime.json
   python3 -c "import json; d=json.load(open('$W/envtime.json')); print([ (s['stage'], s['info'].get('time')) for s in d['stages']])"
