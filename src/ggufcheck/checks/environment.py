@@ -33,6 +33,7 @@ class EnvOptions:
     packages: tuple[str, ...] = DEFAULT_PACKAGES
     scan_extensions: bool = True
     cuobjdump_budget_s: float = 120.0
+    cuobjdump_all: bool = False  # cross-check every file with device code (default: each package's smallest)
     import_timeout_s: float = 180.0
     total_timeout_s: float = 1200.0
 
@@ -40,7 +41,7 @@ class EnvOptions:
 def run_environment_stage(options: EnvOptions = EnvOptions()) -> StageReport:
     """Probe the target interpreter; raises ProbeFailed when it cannot run at all."""
     request = {"packages": list(options.packages), "scan_extensions": options.scan_extensions,
-               "cuobjdump_budget_s": options.cuobjdump_budget_s,
+               "cuobjdump_budget_s": options.cuobjdump_budget_s, "cuobjdump_all": options.cuobjdump_all,
                "import_timeout_s": options.import_timeout_s}
     out = run_probe("ggufcheck_probe_env.py", request, options.target,
                     idle_timeout=options.import_timeout_s + 30, total_timeout=options.total_timeout_s)

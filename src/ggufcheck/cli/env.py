@@ -24,6 +24,7 @@ class EnvCliOptions:
     verbose: bool
     scan: bool
     cuobjdump_budget: float
+    cuobjdump_all: bool = False
 
 
 def add_target_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,16 +48,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="skip reading the fatbinaries of compiled extensions")
     p.add_argument("--cuobjdump-budget", type=float, default=120.0, metavar="S",
                    help="seconds of cuobjdump cross-checks at most (default 120; 0: none)")
+    p.add_argument("--cuobjdump-all", action="store_true",
+                   help="cross-check the fatbinary parse with cuobjdump on every file with GPU code (default: each "
+                        "package's smallest; on torch the largest alone takes ~13 s)")
     p.add_argument("-v", "--verbose", action="store_true", help="list passing checks too")
 
 
 def run(args: argparse.Namespace) -> int:
     options = EnvCliOptions(args.python, args.device, args.json, args.verbose, args.scan,
-                            args.cuobjdump_budget)
+                            args.cuobjdump_budget, args.cuobjdump_all)
     console = Console()
     stage = run_environment_stage(EnvOptions(target=ProbeTarget(options.python, options.device),
                                              scan_extensions=options.scan,
-                                             cuobjdump_budget_s=options.cuobjdump_budget))
+                                             cuobjdump_budget_s=options.cuobjdump_budget,
+                                             cuobjdump_all=options.cuobjdump_all))
     if options.json:  # first: a report that fails to render must not lose the results
         write_json(options.json, report_json("env", [stage], python=options.python,
                                              device=options.device))
