@@ -114,3 +114,25 @@ def test_where_paths_part_names_no_layer_for_llama_cpp_chunks_on_cpu(llama_engin
                              allowance_for(llama_engine.capabilities.activation_dtype))
     assert found["layer"] is None and len(found["per_layer"]) == 30, found["text"]
     assert "no layer's residual differs" in found["text"]
+
+
+@pytest.mark.parametrize("arch", ["deepseek2", "qwen3moe", "glm4moe", "gpt-oss"])
+def test_llama_cpp_expert_choices_are_read_and_match_the_reference(tiny_gguf, arch):
+    """The experts llama.cpp chose, read from ffn_moe_argsort (ffn_moe_topk is a view the eval
+    callback cannot copy: no router ids were read before), equal the fp64 reference's on an
+    F32 file with an F32 KV cache (fp32 arithmetic on both sides), and the selection scores
+    come with them."""
+    from ggufcheck.engines.llama_cpp import LlamaCppEngine
+    from ggufcheck.engines.reference import ReferenceEngine
+
+    path = tiny_gguf(arch, seed=1).path
+    tokens = list(range(1, 40))
+    with LlamaCppEngine(path, type_k=0, type_v=0) as engine, ReferenceEngine(path, dtype="fp64") as reference:
+        got = engine.layer_outputs(tokens, ("router", "router_probs", "router_biased")).tensors
+        want = reference.layer_outputs(tokens, ("router",)).tensors
+    layers = sorted(i for kind, i in got if kind == "router")
+    assert layers and layers == sorted(i for kind, i in want if kind == "router")
+    for i in layers:
+        ids = got[("router", i)].astype(int)
+        assert [set(a) for a in ids.tolist()] == [set(b) for b in want[("router", i)].tolist()], i
+        assert got[("router_probs", i)].shape[0] == len(tokens) and got[("router_probs", i)].shape[1] > ids.shape[1]
