@@ -168,3 +168,31 @@ def test_a_routing_near_tie_broken_differently_is_left_out_and_a_clear_flip_stil
     assert result.failed and "routing_ties" not in result.stats, result.message
     tie.inner.close()
     clear.inner.close()
+
+
+def test_without_block_outputs_the_residual_between_the_blocks_names_the_attention(model, reference):
+    """llama.cpp's MLA graphs name no attention output ("attn_out"), only the residual between the
+    blocks ("ffn_inp"): that alone still names the attention."""
+    from dataclasses import replace
+
+    class NoAttentionOutput:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def _strip(self, trace):
+            return replace(trace, tensors={k: v for k, v in trace.tensors.items() if k[0] != "attention"})
+
+        def layer_outputs(self, tokens, kinds=()):
+            return self._strip(self.inner.layer_outputs(tokens, kinds))
+
+        def chunked_layer_outputs(self, tokens, chunk_size, kinds=()):
+            return self._strip(self.inner.chunked_layer_outputs(tokens, chunk_size, kinds))
+
+    inner = make_faulty_engine("chunk-context-lost", model, layer=1)
+    result, _ = _chunked(NoAttentionOutput(inner), reference, _prompts())
+    inner.close()
+    where = result.stats["localized"]["where"]
+    assert (where["layer"], where["block"]) == (1, "attention") and "attention_difference" not in where, where

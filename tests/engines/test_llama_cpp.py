@@ -136,3 +136,17 @@ def test_llama_cpp_expert_choices_are_read_and_match_the_reference(tiny_gguf, ar
         ids = got[("router", i)].astype(int)
         assert [set(a) for a in ids.tolist()] == [set(b) for b in want[("router", i)].tolist()], i
         assert got[("router_probs", i)].shape[0] == len(tokens) and got[("router_probs", i)].shape[1] > ids.shape[1]
+
+
+def test_mla_graphs_expose_the_residual_between_the_blocks(tiny_gguf):
+    """deepseek2's graph names no attention output, but its ffn_inp is the residual between the
+    blocks: with the FFN / MoE output it adds up to the layer's output (checks.path_layers uses
+    it to tell the attention from the FFN)."""
+    from ggufcheck.engines.llama_cpp import LlamaCppEngine
+
+    with LlamaCppEngine(tiny_gguf("deepseek2", seed=1).path) as engine:
+        t = engine.layer_outputs(list(range(1, 20)), ("residual", "after_attention", "ffn")).tensors
+    layers = sorted(i for kind, i in t if kind == "after_attention")
+    assert layers == sorted(i for kind, i in t if kind == "residual") and ("attention", 0) not in t
+    for i in layers:
+        np.testing.assert_allclose(t[("after_attention", i)] + t[("ffn", i)], t[("residual", i)], rtol=1e-5, atol=1e-5)

@@ -34,7 +34,7 @@ import numpy as np
 from ggufcheck.checks.layers.options import LayerOptions
 from ggufcheck.engines.base import Engine, TokenLogprobs, Unsupported
 
-KINDS = ("residual", "attention", "ffn", "router", "router_probs", "router_biased")
+KINDS = ("residual", "after_attention", "attention", "ffn", "router", "router_probs", "router_biased")
 
 
 def allowance_for(activation_class: str, options: LayerOptions = LayerOptions()) -> float:
@@ -161,7 +161,14 @@ def where_paths_part(engine: Engine, tokens: Sequence[int], chunk_size: int, pos
         return found
     block = "ffn"
     attn_w, attn_c = whole.get(("attention", i)), chunked.get(("attention", i))
-    if attn_w is not None and attn_c is not None:
+    mid_w, mid_c = whole.get(("after_attention", i)), chunked.get(("after_attention", i))
+    if mid_w is not None and mid_c is not None:
+        # the residual between the blocks: the layer's input (agreeing up to here) plus attention
+        moved = float(_rel(mid_c[t:t + 1], mid_w[t:t + 1])[0])
+        found["after_attention_difference"] = moved
+        if moved > allowance / 2:
+            block = "attention"
+    elif attn_w is not None and attn_c is not None:
         attn = float(_rel(attn_c[t:t + 1], attn_w[t:t + 1])[0])
         found["attention_difference"] = attn
         # the attention output is a sum over positions: measured against the layer's residual
@@ -171,7 +178,7 @@ def where_paths_part(engine: Engine, tokens: Sequence[int], chunk_size: int, pos
         found["attention_moved"] = moved
         if moved > allowance / 2:
             block = "attention"
-    elif attn_w is None:
+    else:
         block = "layer"
     found.update(layer=i, block=block, position=t)
     offset = t % chunk_size

@@ -49,8 +49,9 @@ from ggufcheck.errors import Unavailable
 # "router": [T, k] chosen expert ids; "router_probs" [T, n_expert]: the gating function's
 # output, "router_biased" the same plus the selection bias where the model has one (the
 # scores experts are chosen by: how close a choice was, checks/path_layers.py).
-LAYER_KINDS = ("residual", "attention", "ffn", "moe", "router", "router_order", "router_probs", "router_biased",
-               "indexer", "rope")
+# "after_attention" [T, D]: the residual stream between the two blocks (input + attention).
+LAYER_KINDS = ("residual", "after_attention", "attention", "ffn", "moe", "router", "router_order", "router_probs",
+               "router_biased", "indexer", "rope")
 
 
 class Unsupported(Unavailable):

@@ -44,6 +44,7 @@ from ggufcheck.errors import Unavailable
 # llama.cpp graph node names (``cb(cur, "<name>", il)`` in src/models/*.cpp) per layer kind.
 NODE_KINDS = {
     "l_out": "residual",  # the residual stream after the layer
+    "ffn_inp": "after_attention",  # the residual stream after attention (MLA models name no attn_out)
     "attn_out": "attention",
     "ffn_out": "ffn",
     "ffn_moe_out": "moe",

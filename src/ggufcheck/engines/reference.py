@@ -42,8 +42,8 @@ class ReferenceEngine(GGUFVocabTokenizer, Engine):
         tokenizer_ok, why = self._load_tokenizer()
         self.capabilities = Capabilities(
             tokenize=tokenizer_ok, score=True, full_vocab=True, max_top_k=self.vocab_size, generate=True,
-            batch=False, chunked_prefill=True, layer_outputs=frozenset({"residual", "attention", "ffn", "router",
-                                                                        "indexer"}),
+            batch=False, chunked_prefill=True, layer_outputs=frozenset({"residual", "after_attention", "attention",
+                                                                        "ffn", "router", "indexer"}),
             activation_dtype=dtype,
             reasons=reasons(tokenize=why or "", batch="the reference runs one sequence at a time (it is the oracle)",
                             weights="use ggufcheck.reference.weights for the reference's own weights"),
@@ -132,7 +132,7 @@ class ReferenceEngine(GGUFVocabTokenizer, Engine):
         tokens = [int(t) for t in tokens]
         with self._torch.no_grad():
             trace = self.model.prefill(tokens, trace=True)
-        fields = {"residual": "hidden", "attention": "attn_out", "ffn": "ffn_out", "router": "expert_ids",
+        fields = {"residual": "hidden", "after_attention": "after_attn", "attention": "attn_out", "ffn": "ffn_out", "router": "expert_ids",
                   "indexer": "topk"}
         out: dict[tuple[str, int], np.ndarray] = {}
         for i, layer in enumerate(trace.layers):
@@ -148,7 +148,7 @@ class ReferenceEngine(GGUFVocabTokenizer, Engine):
         cache (as :meth:`score_chunked` runs it)."""
         tokens = [int(t) for t in tokens]
         cache = self._chunk_cache()
-        fields = {"residual": "hidden", "attention": "attn_out", "ffn": "ffn_out"}
+        fields = {"residual": "hidden", "after_attention": "after_attn", "attention": "attn_out", "ffn": "ffn_out"}
         parts: dict[tuple[str, int], list[np.ndarray]] = {}
         with self._torch.no_grad():
             for start in range(0, len(tokens), chunk_size):
