@@ -67,3 +67,10 @@ def test_the_terminal_shows_evidence_in_words_not_python_dicts():
 
     assert plain({"sequence": 2, "position": 81, "element": 260}) == "sequence 2, position 81, element 260"
     assert plain({"rank": 1, "holds_rank": 0}) == "rank 1, holds rank 0"
+
+
+def test_worst_values_print_without_python_syntax_or_long_floats():
+    from ggufcheck.report.diagnosis import plain
+
+    assert plain({"sequence": 2, "position": 79, "kl": 10.058613658112662}) == "sequence 2, position 79, kl 10.1"
+    assert plain({"rank": 0, "where": [1, 2.5e-07]}) == "rank 0, where 1, 2.5e-07"

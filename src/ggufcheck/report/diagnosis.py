@@ -95,4 +95,6 @@ def plain(value) -> str:
         return ", ".join(f"{str(k).replace('_', ' ')} {plain(v)}" for k, v in value.items())
     if isinstance(value, (list, tuple)):
         return ", ".join(plain(v) for v in value)
+    if isinstance(value, float):
+        return f"{value:.3g}"  # a KL of 10.058613658112662 reads as 10.1
     return str(value)
