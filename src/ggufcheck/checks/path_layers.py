@@ -121,7 +121,10 @@ def where_paths_part(engine: Engine, tokens: Sequence[int], chunk_size: int, pos
                      allowance: float, traced: tuple[dict, dict] | None = None) -> dict | None:
     """The first layer (and block) where the chunked trace leaves the one-prefill trace, or
     None when the engine traces no chunked prefill."""
-    traced = traced or traces(engine, tokens, chunk_size)
+    # a causal model's rows up to ``position`` do not depend on later tokens: trace no further
+    if traced is not None and not all(len(v) > position for v in traced[0].values()):
+        traced = None  # a trace taken for other rows, too short for this one
+    traced = traced or traces(engine, list(tokens)[:position + 1], chunk_size)
     if traced is None:
         return None
     whole, chunked = traced
@@ -228,13 +231,16 @@ def routing_tie_rows(engine: Engine, prompts: Sequence[Sequence[int]], pairs: Se
     marks: list[np.ndarray | None] = [None] * len(pairs)
     found: dict[int, list[dict]] = {}
     taken: dict[int, tuple[dict, dict]] = {}
-    over = []
+    over: dict[int, int] = {}  # sequence -> its last row over the limit
     for s, pair in enumerate(pairs):
         m = collect([pair])
-        if m.n and float(np.nan_to_num(m.kl, nan=np.inf).max()) > limit:
-            over.append(s)
-    for s in over[:MAX_TRACED]:
-        traced = traces(engine, prompts[s], chunk_size)
+        rows = m.position[np.nan_to_num(m.kl, nan=np.inf) > limit] if m.n else []
+        if len(rows):
+            over[s] = int(np.max(rows))
+    for s in list(over)[:MAX_TRACED]:
+        # rows after the last one over the limit need no trace (a causal model): on a large
+        # model a whole trace of every layer, twice, is gigabytes
+        traced = traces(engine, list(prompts[s])[:over[s] + 1], chunk_size)
         if traced is None:
             break
         taken[s] = traced
