@@ -160,7 +160,9 @@ def test_mutated_metadata_names_the_key(changes, key):
     with pytest.raises(SpecError) as err:
         spec_from_metadata(meta)
     assert key in str(err.value)
-    results = err.value.results()
+    from ggufcheck.checks.mapping import finding_result
+
+    results = [finding_result(f) for f in err.value.findings]
     assert results and all(r.status is Status.FAIL and r.component == "metadata" for r in results)
 
 

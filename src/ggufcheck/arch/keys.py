@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ggufcheck.errors import GGUFCheckError
-from ggufcheck.results import Result, failed
 
 
 @dataclass(frozen=True)
@@ -26,9 +25,6 @@ class Finding:
     def __str__(self) -> str:
         return f"{self.key}: {self.problem}"
 
-    def to_result(self) -> Result:
-        return failed("metadata.spec", "metadata", str(self), stats={"key": self.key})
-
 
 class SpecError(GGUFCheckError):
     """Metadata from which no trustworthy spec can be built; carries every finding."""
@@ -39,9 +35,6 @@ class SpecError(GGUFCheckError):
         lines = "; ".join(str(f) for f in self.findings)
         super().__init__(f"{arch}: {len(self.findings)} metadata finding(s): {lines}",
                          tip="compare the keys with the converter that wrote the file")
-
-    def results(self) -> list[Result]:
-        return [f.to_result() for f in self.findings]
 
 
 # ---------------------------------------------------------------------------------------

@@ -29,7 +29,6 @@ import numpy as np
 
 from ggufcheck.arch.families import FAMILIES, archs
 from ggufcheck.arch.keys import REQUIRED, Finding, Keys, SpecError, check
-from ggufcheck.results import Result
 
 if TYPE_CHECKING:  # pragma: no cover
     from ggufcheck.gguf.reader import GGUFModel
@@ -308,22 +307,6 @@ def spec_from_metadata(metadata: Mapping[str, Any], tensor_names: Iterable[str] 
 def spec_for_model(model: "GGUFModel") -> tuple[ArchSpec | GenericSpec | None, list[Finding]]:
     """:func:`build_spec` on an open GGUF's metadata and tensor names."""
     return build_spec(model.metadata, model.tensors.keys())
-
-
-def spec_results(spec: ArchSpec | GenericSpec | None, findings: list[Finding]) -> list[Result]:
-    """The ``metadata`` component's Results for a built spec (one per finding, or one PASS/SKIP)."""
-    from ggufcheck.results import passed, skipped
-
-    if findings:
-        return [f.to_result() for f in findings]
-    if spec is None or not spec.supported:
-        arch = spec.arch if spec is not None else "?"
-        reason = spec.reason if isinstance(spec, GenericSpec) else "no spec"
-        return [skipped("metadata.spec", "metadata", f"no spec for architecture {arch!r}: {reason}")]
-    note = f" ({'; '.join(spec.notes)})" if spec.notes else ""
-    return [passed("metadata.spec", "metadata",
-                   f"{spec.arch}: {spec.n_layer} layers (+{spec.n_nextn} NextN), D {spec.n_embd}, "
-                   f"H {spec.n_head}/{spec.n_head_kv}, vocab {spec.n_vocab}{note}")]
 
 
 def _generic(metadata: Mapping[str, Any], arch: str, tied: bool | None,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
+from ggufcheck.arch.keys import Finding
 from ggufcheck.arch.spec import ArchSpec, GenericSpec, build_spec
 from ggufcheck.arch.table import TensorTable, expected_tensors
 from ggufcheck.arch.tables import table_for
@@ -66,10 +67,27 @@ def check_mapping(model: "GGUFModel", spec: ArchSpec | GenericSpec | None,
     return out
 
 
+def finding_result(finding: Finding) -> Result:
+    """One missing or inconsistent metadata key as a FAIL of the ``metadata`` component."""
+    return failed("metadata.spec", "metadata", str(finding), stats={"key": finding.key})
+
+
+def spec_results(spec: ArchSpec | GenericSpec | None, findings: list[Finding]) -> list[Result]:
+    """The ``metadata`` component's Results for a built spec (one per finding, or one PASS/SKIP)."""
+    if findings:
+        return [finding_result(f) for f in findings]
+    if spec is None or not spec.supported:
+        arch = spec.arch if spec is not None else "?"
+        reason = spec.reason if isinstance(spec, GenericSpec) else "no spec"
+        return [skipped("metadata.spec", "metadata", f"no spec for architecture {arch!r}: {reason}")]
+    note = f" ({'; '.join(spec.notes)})" if spec.notes else ""
+    return [passed("metadata.spec", "metadata",
+                   f"{spec.arch}: {spec.n_layer} layers (+{spec.n_nextn} NextN), D {spec.n_embd}, "
+                   f"H {spec.n_head}/{spec.n_head_kv}, vocab {spec.n_vocab}{note}")]
+
+
 def mapping_stage(model: "GGUFModel") -> list[Result]:
     """Spec (component ``metadata``) then mapping results for one open model."""
-    from ggufcheck.arch.spec import spec_results
-
     spec, findings = build_spec(model.metadata, model.tensors.keys())
     return spec_results(spec, findings) + check_mapping(model, spec, table_for(spec) if spec else None)
 

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ggufcheck.arch.spec import ArchSpec, spec_for_model, spec_results
+from ggufcheck.arch.spec import ArchSpec, spec_for_model
+from ggufcheck.checks.mapping import spec_results
 from ggufcheck.arch.tables import table_for
 from ggufcheck.errors import GGUFCheckError
 from ggufcheck.gguf.reader import GGUFModel
