@@ -8,7 +8,8 @@ from ggufcheck.gguf.dequant import dequantize_tensor
 from ggufcheck.gguf.reader import open_gguf
 from ggufcheck.results import Status
 from ggufcheck.sharding import faults
-from ggufcheck.sharding.mla import check_kv_b_ranks, rank_uk_uv
+from ggufcheck.checks.sharding import check_kv_b_ranks
+from ggufcheck.sharding.mla import rank_uk_uv
 
 
 def _random_kb_vb(n_head=8, lora=12, nope=5, v_dim=7):

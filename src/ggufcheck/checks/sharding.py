@@ -20,13 +20,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 
 from ggufcheck.arch.spec import ArchSpec, spec_for_model
-from ggufcheck.checks.mapping import spec_results
 from ggufcheck.arch.tables import table_for
+from ggufcheck.checks.mapping import spec_results
 from ggufcheck.errors import GGUFCheckError
 from ggufcheck.gguf.reader import GGUFModel
-from ggufcheck.results import Result, StageReport, errored, skipped
+from ggufcheck.results import Result, StageReport, errored, failed, passed, skipped
 from ggufcheck.sharding import mla as shard_mla
 from ggufcheck.sharding.plan import plan
 from ggufcheck.sharding.rules import rules_from_table
@@ -36,6 +37,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 STAGE = "sharding"
 COMPONENT = "sharding"
+MLA_COMPONENT = "mla-kv-b"
 MLA_CHECK_ELEMENT_BUDGET = 200_000_000  # k_b + v_b elements checked in all layers below this
 
 
@@ -82,10 +84,10 @@ def mla_results(model: GGUFModel, spec: ArchSpec, tp: int) -> list[Result]:
     if spec.mla is None:
         return []
     if not spec.mla.split_kv_b:
-        return [skipped("sharding.mla.kv_b_ranks", shard_mla.COMPONENT,
+        return [skipped("sharding.mla.kv_b_ranks", MLA_COMPONENT,
                         "legacy attn_kv_b file: kv_b is not rebuilt, its column split is checked numerically")]
     if spec.n_head % tp:
-        return [skipped("sharding.mla.kv_b_ranks", shard_mla.COMPONENT,
+        return [skipped("sharding.mla.kv_b_ranks", MLA_COMPONENT,
                         f"{spec.n_head} heads do not divide by TP {tp} (the plan reports it)")]
     per_layer = sum(model.tensors[f"blk.0.{n}"].n_elements for n in ("attn_k_b.weight", "attn_v_b.weight"))
     layers = list(range(spec.n_layer))
@@ -95,7 +97,7 @@ def mla_results(model: GGUFModel, spec: ArchSpec, tp: int) -> list[Result]:
     for i in layers:
         k_b = dequantize_tensor(model, f"blk.{i}.attn_k_b.weight")
         v_b = dequantize_tensor(model, f"blk.{i}.attn_v_b.weight")
-        out.extend(shard_mla.check_kv_b_ranks(k_b, v_b, tp, layer=i))
+        out.extend(check_kv_b_ranks(k_b, v_b, tp, layer=i))
     return out
 
 
@@ -118,7 +120,7 @@ def run_sharding_stage(model: GGUFModel, opts: ShardOptions, **invariance_overri
     try:
         report.add(mla_results(model, spec, opts.tp))
     except GGUFCheckError as err:
-        report.add(errored("sharding.mla.kv_b_ranks", shard_mla.COMPONENT, err.message))
+        report.add(errored("sharding.mla.kv_b_ranks", MLA_COMPONENT, err.message))
     if not opts.numeric:
         report.add(skipped("sharding.tp", COMPONENT, "numeric TP invariance not requested (--plan-only)"))
         return report
@@ -160,3 +162,48 @@ def run(session: "Session") -> list[StageReport]:
     o = session.options
     session.say(f"checking tensor-parallel sharding at TP {o.tp}")
     return [run_sharding_stage(session.open_model(), ShardOptions(tp=o.tp, numeric=o.shard_numeric))]
+
+
+def check_kv_b_ranks(k_b: Tensor, v_b: Tensor, tp: int, layer: int | None = None,
+                     layout: shard_mla.KvBLayout = shard_mla.VLLM_LAYOUT) -> list[Result]:
+    """One Result per rank: W_UK / W_UV equal k_b / v_b of that rank's heads, exactly.
+
+    k_b [H, L, P], v_b [H, V, L] as dequantized from the file (data movement only, so any
+    difference at all is a layout error).
+    """
+    n_head = k_b.shape[0]
+    check = "sharding.mla.kv_b_ranks"
+    if n_head % tp:
+        return [failed(check, MLA_COMPONENT, f"{n_head} MLA heads do not divide over TP {tp}", layer=layer,
+                       stats={"heads": n_head, "tp": tp})]
+    n_local = n_head // tp
+    results = []
+    for rank in range(tp):
+        uk, uv = shard_mla.rank_uk_uv(k_b, v_b, rank, tp, layout)
+        worst = None
+        worst_diff = 0.0
+        wrong_heads = []
+        for h in range(n_local):
+            g = rank * n_local + h
+            for what, got, want in (("W_UK", uk[:, h, :], k_b[g]), ("W_UV", uv[:, h, :], v_b[g].T)):
+                diff = (got - want).abs()
+                if bool((diff != 0).any()):
+                    wrong_heads.append(f"{what}[{h}]")
+                    d = float(diff.max())
+                    if d >= worst_diff:
+                        idx = divmod(int(diff.argmax()), diff.shape[1])
+                        worst_diff = d
+                        worst = {"rank": rank, "local_head": h, "global_head": g, "matrix": what,
+                                 "element": list(idx), "got": float(got[idx]), "expected": float(want[idx]),
+                                 "abs_diff": d}
+        stats = {"rank": rank, "heads": [rank * n_local, (rank + 1) * n_local], "max_abs_diff": worst_diff}
+        where = f"rank {rank}/{tp} heads {rank * n_local}..{(rank + 1) * n_local - 1}"
+        if wrong_heads:
+            results.append(failed(check, MLA_COMPONENT,
+                                  f"{where}: {len(wrong_heads)} of {2 * n_local} W_UK/W_UV head blocks are not "
+                                  f"k_b/v_b of those heads ({layout.name})",
+                                  layer=layer, stats=stats, worst=worst))
+        else:
+            results.append(passed(check, MLA_COMPONENT, f"{where}: W_UK == k_b, W_UV == v_b^T exactly",
+                                  layer=layer, stats=stats))
+    return results

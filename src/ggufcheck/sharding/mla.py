@@ -16,6 +16,7 @@ key rows). A :class:`KvBLayout` is the (rebuild, split) pair a loader uses, so t
 one and that fault run through the same checks.
 
 Dimension letters: H heads, Hl heads per rank, P nope dims, V value dims, L kv_lora_rank.
+The check that holds every rank to these invariants is ``checks.sharding.check_kv_b_ranks``.
 """
 
 from __future__ import annotations
@@ -26,10 +27,8 @@ from typing import Callable
 from torch import Tensor
 
 from ggufcheck.arch.transforms import kv_b_from_split
-from ggufcheck.results import Result, failed, passed
 from ggufcheck.sharding.rules import ShardRule, shard
 
-COMPONENT = "mla-kv-b"
 KV_B_RULE = ShardRule("column", 0)  # whole rows of [H*(P+V), L]: heads stay whole when H % tp == 0
 
 
@@ -68,48 +67,3 @@ def rank_uk_uv(k_b: Tensor, v_b: Tensor, rank: int, tp: int,
     v_dim = v_b.shape[1]
     w_local = shard(layout.rebuild(k_b, v_b), KV_B_RULE, rank, tp)  # [Hl*(P+V), L]
     return layout.split(w_local, n_head // tp, nope, v_dim)
-
-
-def check_kv_b_ranks(k_b: Tensor, v_b: Tensor, tp: int, layer: int | None = None,
-                     layout: KvBLayout = VLLM_LAYOUT) -> list[Result]:
-    """One Result per rank: W_UK / W_UV equal k_b / v_b of that rank's heads, exactly.
-
-    k_b [H, L, P], v_b [H, V, L] as dequantized from the file (data movement only, so any
-    difference at all is a layout error).
-    """
-    n_head = k_b.shape[0]
-    check = "sharding.mla.kv_b_ranks"
-    if n_head % tp:
-        return [failed(check, COMPONENT, f"{n_head} MLA heads do not divide over TP {tp}", layer=layer,
-                       stats={"heads": n_head, "tp": tp})]
-    n_local = n_head // tp
-    results = []
-    for rank in range(tp):
-        uk, uv = rank_uk_uv(k_b, v_b, rank, tp, layout)
-        worst = None
-        worst_diff = 0.0
-        wrong_heads = []
-        for h in range(n_local):
-            g = rank * n_local + h
-            for what, got, want in (("W_UK", uk[:, h, :], k_b[g]), ("W_UV", uv[:, h, :], v_b[g].T)):
-                diff = (got - want).abs()
-                if bool((diff != 0).any()):
-                    wrong_heads.append(f"{what}[{h}]")
-                    d = float(diff.max())
-                    if d >= worst_diff:
-                        idx = divmod(int(diff.argmax()), diff.shape[1])
-                        worst_diff = d
-                        worst = {"rank": rank, "local_head": h, "global_head": g, "matrix": what,
-                                 "element": list(idx), "got": float(got[idx]), "expected": float(want[idx]),
-                                 "abs_diff": d}
-        stats = {"rank": rank, "heads": [rank * n_local, (rank + 1) * n_local], "max_abs_diff": worst_diff}
-        where = f"rank {rank}/{tp} heads {rank * n_local}..{(rank + 1) * n_local - 1}"
-        if wrong_heads:
-            results.append(failed(check, COMPONENT,
-                                  f"{where}: {len(wrong_heads)} of {2 * n_local} W_UK/W_UV head blocks are not "
-                                  f"k_b/v_b of those heads ({layout.name})",
-                                  layer=layer, stats=stats, worst=worst))
-        else:
-            results.append(passed(check, COMPONENT, f"{where}: W_UK == k_b, W_UV == v_b^T exactly",
-                                  layer=layer, stats=stats))
-    return results
