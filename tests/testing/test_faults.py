@@ -50,7 +50,8 @@ def test_kv_b_layouts_against_the_sharding_checks():
     """The effective per-head k_b / v_b are exact at TP 1 and for the correct layout at any TP;
     the [all K; all V] layout is wrong at TP 2, and the sharding helper's own per-rank check
     fails on exactly the ranks whose heads changed."""
-    from ggufcheck.sharding.mla import VLLM_LAYOUT, check_kv_b_ranks
+    from ggufcheck.checks.sharding import check_kv_b_ranks
+    from ggufcheck.sharding.mla import VLLM_LAYOUT
 
     g = torch.Generator().manual_seed(0)
     k_b = torch.randn(4, 32, 16, generator=g, dtype=torch.float64)  # [H, L, P]
