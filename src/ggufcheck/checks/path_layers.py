@@ -30,7 +30,9 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import numpy as np
+import torch
 
+from ggufcheck.checks.layers.metrics import rel_errors
 from ggufcheck.checks.layers.options import LayerOptions
 from ggufcheck.engines.base import Engine, TokenLogprobs, Unsupported
 
@@ -44,11 +46,14 @@ def allowance_for(activation_class: str, options: LayerOptions = LayerOptions())
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Per-position ||a - b|| / ||b|| of [T, D] arrays (inf where a is not finite)."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    num = np.linalg.norm(a - b, axis=-1)
-    den = np.maximum(np.linalg.norm(b, axis=-1), 1e-30)
-    return np.where(np.isfinite(a).all(axis=-1), num / den, np.inf)
+    """Per-position ||a - b|| / ||b|| of [T, D] arrays (the layers stage's metric)."""
+    return rel_errors(torch.as_tensor(np.asarray(a)), torch.as_tensor(np.asarray(b))).numpy()
+
+
+def _selection_scores(trace: dict, layer: int) -> np.ndarray | None:
+    """[T, n_expert] the scores a layer's experts were chosen by (with the selection bias
+    where the model has one), or None when the engine does not expose them."""
+    return trace.get(("router_biased", layer), trace.get(("router_probs", layer)))
 
 
 def which_path(whole: TokenLogprobs, chunked: TokenLogprobs, reference: TokenLogprobs, position: int,
@@ -94,8 +99,7 @@ def routing_near_tie_flips(whole: dict, chunked: dict, margin: float) -> list[di
         differ = np.flatnonzero([set(a) != set(b) for a, b in zip(ids_w[:n].tolist(), ids_c[:n].tolist())])
         if not len(differ):
             continue
-        scores_w = whole.get(("router_biased", i), whole.get(("router_probs", i)))
-        scores_c = chunked.get(("router_biased", i), chunked.get(("router_probs", i)))
+        scores_w, scores_c = _selection_scores(whole, i), _selection_scores(chunked, i)
         if scores_w is None or scores_c is None:
             continue
         k = ids_w.shape[-1]
@@ -151,8 +155,7 @@ def where_paths_part(engine: Engine, tokens: Sequence[int], chunk_size: int, pos
     i, t = first["layer"], first["at"]
     ids_w, ids_c = whole.get(("router", i)), chunked.get(("router", i))
     if ids_w is not None and ids_c is not None and set(ids_w[t].tolist()) != set(ids_c[t].tolist()):
-        scores_w = whole.get(("router_biased", i), whole.get(("router_probs", i)))
-        scores_c = chunked.get(("router_biased", i), chunked.get(("router_probs", i)))
+        scores_w, scores_c = _selection_scores(whole, i), _selection_scores(chunked, i)
         gap = None if scores_w is None or scores_c is None else float(min(
             selection_gap(scores_w[t:t + 1], ids_w.shape[-1])[0], selection_gap(scores_c[t:t + 1], ids_c.shape[-1])[0]))
         found.update(layer=i, block="routing", position=t, routing_gap=gap)
