@@ -5,7 +5,8 @@
 #
 # Stage first, here: bash tools/gpu/stage_llama_cpp.sh   (fills the git-ignored .gpu/)
 # Device call:       bash tools/gpu/llama_cpp_cuda.sh [STEPS]   with carry [".gpu"]
-#   STEPS: comma-separated subset of build,probe,matrix,matrix2,matrix3,lead,chunklead,families,hfprof,server,
+#   STEPS: comma-separated subset of build,probe,matrix,matrix2,matrix3,lead,chunklead,families,hfprof,recheck,
+#          recheck2,real,reallead,envtime,server,
 #          oldlead,hf (default: build,probe,matrix,lead,server,oldlead,hf)
 # Writes $OUT/log.txt-style logs per step, $OUT/results.tgz, and on a fresh build the
 # build's bin/ as $OUT/bin.tar.xz.part* (< 16 MiB each): move them to .gpu/prebuilt/ and the
@@ -136,6 +137,43 @@ EOF2
   TAILN=2 step 40 q2k-keep python3 -m ggufcheck quants --types Q2_K --engine llama-cpp:n_gpu_layers=99 --keep $W/models/qm
   for kv in "type_k=8,flash_attn=0" "type_k=8,type_v=8,flash_attn=1,n_batch=16"; do
     TAILN=12 step 40 q2k-$kv $D --sweep-to 0 $W/models/qm/matrix-q2_k.gguf --engine llama-cpp:n_gpu_layers=99,$kv --json $W/q2k-$kv.json
+  done
+fi
+
+if has real; then  # SmolLM2-135M Q4_1 (98 MB), carried in two calls as .gpu/realA + .gpu/realB (split -b 55M)
+  cat .gpu/realA/* .gpu/realB/* > $W/models/smollm2.gguf && sha256sum $W/models/smollm2.gguf | cut -c1-16
+  M=$W/models/smollm2.gguf
+  TAILN=30 step 150 real-ngl99 python3 -m ggufcheck diagnose $M --engine llama-cpp:n_gpu_layers=99 --json $W/real-ngl99.json
+  TAILN=20 step 100 real-ngl99-fa python3 -m ggufcheck diagnose $M --no-sanity --no-kernels --engine llama-cpp:n_gpu_layers=99,flash_attn=1 --json $W/real-ngl99-fa.json
+  $B/bin/llama-server -m $M -ngl 99 --host 127.0.0.1 --port 8093 -c 4096 -np 1 > $W/server-real.log 2>&1 &
+  SP=$!
+  for i in $(seq 60); do curl -sf 127.0.0.1:8093/health >/dev/null && break; sleep 0.5; done
+  TAILN=25 step 150 real-http python3 -m ggufcheck diagnose $M --no-sanity --engine http://127.0.0.1:8093 --json $W/real-http.json
+  kill $SP; wait $SP 2>/dev/null
+  TAILN=25 step 150 real-hf-bf16 python3 -m ggufcheck diagnose $M --no-sanity --no-kernels --engine hf:bf16@cuda --device 0 --json $W/real-hf-bf16.json
+fi
+
+if has reallead; then  # the SmolLM2 lead: which layer / op makes CUDA prefill 5.8x further from fp64 than the CPU
+  cat .gpu/realA/* .gpu/realB/* > $W/models/smollm2.gguf && sha256sum $W/models/smollm2.gguf | cut -c1-16
+  M=$W/models/smollm2.gguf
+  TAILN=40 step 60 lead-ngl99 python3 tools/gpu/real_lead.py $M --spec n_gpu_layers=99 --prompt 3
+  TAILN=40 step 60 lead-ngl99-cublas32 env GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32 python3 tools/gpu/real_lead.py $M --spec n_gpu_layers=99 --prompt 3
+  TAILN=40 step 60 lead-ngl99-fa python3 tools/gpu/real_lead.py $M --spec n_gpu_layers=99,flash_attn=1 --prompt 3
+  TAILN=40 step 60 lead-ngl0 python3 tools/gpu/real_lead.py $M --spec n_gpu_layers=0 --prompt 3
+  TAILN=8 step 70 real-cublas32 env GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32 python3 -m ggufcheck diagnose $M --no-sanity --no-kernels --engine llama-cpp:n_gpu_layers=99 --json $W/real-cublas32.json
+  # the MoE chunked leads: the chunked path's MoE output is wrong at one token (same experts chosen);
+  # chunks of 2..8 tokens take the matrix-vector MUL_MAT_ID kernels on sm_90, 9 the matrix-matrix ones
+  python3 - <<'EOF2'
+from ggufcheck.testing.tiny import build_tiny_gguf as b
+d = dict(seed=3, n_embd=256, n_ff=512, n_ff_exp=256)
+b("deepseek2", "/tmp/l20/models/ds2-q4k.gguf", qtypes="Q4_K", **d)
+b("glm4moe", "/tmp/l20/models/fam-glm4moe.gguf", qtypes="Q4_K", **d)
+EOF2
+  for c in 5 8 9 2; do
+    TAILN=6 step 40 moe-ds2-f32-c$c env GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32 python3 tools/gpu/chunk_lead.py $W/models/ds2-q4k.gguf --chunk $c --prompt 2 --worst 2 --runs 1 --trace-above 100
+  done
+  for c in 5 9; do
+    TAILN=6 step 40 moe-glm4moe-c$c python3 tools/gpu/chunk_lead.py $W/models/fam-glm4moe.gguf --chunk $c --prompt 2 --worst 2 --runs 1 --trace-above 100
   done
 fi
 
