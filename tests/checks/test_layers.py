@@ -82,7 +82,8 @@ def _weights_stage(engine, path) -> StageReport:
     from ggufcheck.arch.spec import spec_for_model
     from ggufcheck.arch.tables import table_for
     from ggufcheck.gguf.reader import open_gguf
-    from ggufcheck.sharding.weights import check_loaded_weights, hf_params
+    from ggufcheck.checks.weights import check_loaded_weights
+    from ggufcheck.sharding.weights import hf_params
 
     report = StageReport("weights")
     with open_gguf(path) as model:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ggufcheck.results import Status
+from ggufcheck.checks.sharding.invariance import check_collectives
 from ggufcheck.sharding import collectives
 from ggufcheck.sharding.dist import DistOptions, RanksFailed, run_ranks
 
@@ -39,13 +40,13 @@ def _wrong_sum(ctx, payload):
 @pytest.mark.parametrize("tp", [1, 2, 4])  # TP 8: test_invariance.py::test_tp8_on_8_head_models[llama]
 def test_collectives_are_exact(tp):
     per_rank = run_ranks(_collect, None, DistOptions(tp, "gloo", timeout_s=60))
-    results = collectives.check_collectives(per_rank, "gloo")
+    results = check_collectives(per_rank, "gloo")
     assert results and all(r.status is Status.PASS for r in results)
 
 
 def test_a_wrong_collective_result_fails():
     per_rank = run_ranks(_wrong_sum, None, DistOptions(2, "gloo", timeout_s=60))
-    results = collectives.check_collectives(per_rank, "gloo")
+    results = check_collectives(per_rank, "gloo")
     bad = [r for r in results if r.failed]
     assert bad and all("all_reduce" in r.check for r in bad) and bad[0].worst["rank"] == 0
 

@@ -11,7 +11,8 @@ from ggufcheck.checks.sharding import plan_known, plan_results
 from ggufcheck.gguf.reader import open_gguf
 from ggufcheck.results import Status
 from ggufcheck.sharding.mixes import planned_tensors
-from ggufcheck.sharding.plan import GIB, plan
+from ggufcheck.checks.sharding.plan import plan
+from ggufcheck.sharding.plan import GIB
 from ggufcheck.sharding.rules import rules_from_table
 
 ARCHS = ("llama", "glm4moe", "deepseek2", "glm-dsa")

@@ -16,7 +16,7 @@ from ggufcheck.arch.tables import table_for
 from ggufcheck.gguf.reader import open_gguf
 from ggufcheck.results import Status
 from ggufcheck.sharding import faults
-from ggufcheck.sharding.weights import check_loaded_weights
+from ggufcheck.checks.weights import check_loaded_weights
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj")
 ROW = ("o_proj", "down_proj")
@@ -109,7 +109,7 @@ def test_through_the_engine_interface(tiny_converted):
     """The transformers engine (rank 0 only) exposes its parameters: all equal the GGUF's."""
     pytest.importorskip("transformers")
     from ggufcheck.engines.hf import HFEngine
-    from ggufcheck.sharding.weights import check_engine_weights
+    from ggufcheck.checks.weights import check_engine_weights
 
     path = tiny_converted("llama").gguf_path
     engine = HFEngine.from_gguf(path)

@@ -172,6 +172,12 @@ EOF2
   for c in 5 8 9 2; do
     TAILN=6 step 40 moe-ds2-f32-c$c env GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32 python3 tools/gpu/chunk_lead.py $W/models/ds2-q4k.gguf --chunk $c --prompt 2 --worst 2 --runs 1 --trace-above 100
   done
+  # Q2_K with a q8_0 K cache: one batch wrong, chunks of 5 right; batches of <= 8 take the
+  # matrix-vector (MMVQ / FA vec) kernels that read q8_0 directly, 9 the batched ones
+  TAILN=2 step 40 q2k-keep python3 -m ggufcheck quants --types Q2_K --engine llama-cpp:n_gpu_layers=99 --keep $W/models/qm
+  for kv in "flash_attn=0,n_batch=8" "flash_attn=0,n_batch=9" "flash_attn=1,n_batch=8"; do
+    TAILN=3 step 30 q2k-k8-$kv python3 -m ggufcheck diagnose --no-sanity --no-kernels --sweep-to 0 --decode-to 0 $W/models/qm/matrix-q2_k.gguf --engine llama-cpp:n_gpu_layers=99,type_k=8,$kv --json $W/q2k-k8-$kv.json
+  done
   for c in 5 9; do
     TAILN=6 step 40 moe-glm4moe-c$c python3 tools/gpu/chunk_lead.py $W/models/fam-glm4moe.gguf --chunk $c --prompt 2 --worst 2 --runs 1 --trace-above 100
   done

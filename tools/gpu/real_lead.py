@@ -11,6 +11,7 @@ This script, per built-in prompt:
    matrix-matrix ones): does the batch change row 0?
 2. both traced layer by layer (cb_eval), each kind's relative error against the reference at
    row 0 and over the other rows, and the reference's largest |value| per row (outliers);
+3. each block's own error: the reference's attention / FFN replayed on the engine's input to it.
 
 Run: python tools/gpu/real_lead.py MODEL [--spec n_gpu_layers=99] [--prompt N] [--layers 0,1,2,29]
 (``--spec ""``: llama.cpp's CPU backend, for the same numbers side by side).
@@ -86,6 +87,31 @@ def main() -> int:
             if r is not None:
                 big = np.abs(np.asarray(r)).max(axis=-1)
                 row.append(f"max|x| {big[0]:.4g} / {np.median(big[1:]):.4g}")
+            print(f"    layer {i}: " + "; ".join(row))
+        # each block's own error: the reference block replayed on the engine's input to it
+        import torch
+
+        from ggufcheck.checks.layers.replay import Replayer
+
+        model = reference.model
+        ref_trace = model.prefill(list(tokens), trace=True)
+        print("  each block on the engine's own input (reference replay): relative error row 0 / median rows 1..")
+        for i in layers:
+            h_in = ref_trace.embeddings if i == 0 else torch.as_tensor(np.asarray(et[("residual", i - 1)]))
+            rep = Replayer(model, i)
+            out = rep.attention(h_in, None)
+            a_ref = np.asarray(out.attn_out.double().cpu())
+            e_att = et.get(("attention", i))
+            e_after = et.get(("after_attention", i))
+            row = []
+            if e_att is not None:
+                err = rel_rows(np.asarray(e_att, np.float64), a_ref)
+                row.append(f"attention {err[0]:.3g} / {np.median(err[1:]):.3g}")
+            if e_after is not None:
+                f_out = rep.ffn(torch.as_tensor(np.asarray(e_after)))[0]
+                err = rel_rows(np.asarray(et[("ffn", i)], np.float64), np.asarray(f_out.double().cpu()))
+                row.append(f"ffn {err[0]:.3g} / {np.median(err[1:]):.3g}")
+            rep.close()
             print(f"    layer {i}: " + "; ".join(row))
     engine.close()
     return 0

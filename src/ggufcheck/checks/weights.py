@@ -3,25 +3,35 @@
 Before any computation is compared, each parameter the engine loaded (per tensor-parallel
 rank, in the engine's own naming: checkpoint names, or transformers' fused experts) is
 compared with the slice of the GGUF tensor it should hold, through the architecture's tensor
-table and the shard rules (:func:`ggufcheck.sharding.weights.check_engine_weights`). A
+table and the shard rules (:func:`check_engine_weights`, with the expected slices and the
+diagnosis of a wrong one from :mod:`ggufcheck.sharding.weights`). A
 wrong expert order, a mis-rebuilt kv_b or a rank holding another rank's slice is named here,
 with the tensor, before the layers stage sees its consequences.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
-from ggufcheck.results import StageReport, skipped
+import torch
+from torch import Tensor
+
+from ggufcheck.arch.spec import ArchSpec
+from ggufcheck.arch.table import TensorTable
+from ggufcheck.results import Result, StageReport, failed, passed, skipped
+from ggufcheck.sharding.rules import shard
+from ggufcheck.sharding.weights import HFParam, LazyRankWeights, diagnose_raw, diagnose_slice, full_tensors, hf_params
 
 if TYPE_CHECKING:  # pragma: no cover
     from ggufcheck.diagnose.session import Session
+    from ggufcheck.gguf.reader import GGUFModel
+
+MAX_FAILS_PER_RANK = 20  # wrong parameters listed one by one per rank; the rest are counted
 
 
 def run(session: "Session") -> list[StageReport]:
-    from ggufcheck.arch.spec import ArchSpec, spec_for_model
+    from ggufcheck.arch.spec import spec_for_model
     from ggufcheck.arch.tables import table_for
-    from ggufcheck.sharding.weights import check_engine_weights, hf_params
 
     report = StageReport("weights")
     engine = session.engine()
@@ -40,3 +50,126 @@ def run(session: "Session") -> list[StageReport]:
     report.add(check_engine_weights(model, spec, table, engine, names))
     report.info.update(tp=caps.tp_size, parameters=len(names), layout=caps.weight_layout)
     return [report]
+
+
+def check_loaded_weights(model: "GGUFModel", spec: ArchSpec, table: TensorTable,
+                         loaded: Mapping[int, Mapping[str, Tensor]], tp: int,
+                         layout: str = "checkpoint") -> list[Result]:
+    """Every rank's loaded parameters against their expected slices (see module docstring)."""
+    params = hf_params(spec, table, model.tensors, layout)
+    if "lm_head.weight" not in params and "token_embd.weight" in model.tensors:  # tied embeddings
+        embed = params.get("model.embed_tokens.weight")
+        if embed is not None:
+            params["lm_head.weight"] = HFParam("lm_head.weight", embed.rule, embed.group, "weights")
+    n_kv = 0 if spec.mla is not None else spec.n_head_kv
+    wanted = {n for per_rank in loaded.values() for n in per_rank}
+    results: list[Result] = []
+    unknown = sorted(n for n in wanted if n not in params)
+    if unknown:
+        results.append(skipped("weights.loaded.unknown", "weights",
+                               f"{len(unknown)} loaded parameter(s) have no table row (not audited), e.g. {unknown[0]}",
+                               stats={"names": unknown[:50]}))
+    work: dict[int, list[tuple[int, str, Tensor, HFParam]]] = {}  # group -> its (rank, name) items
+    for rank in sorted(loaded):
+        for name, got in loaded[rank].items():
+            if name in params:
+                work.setdefault(id(params[name].group), []).append((rank, name, got, params[name]))
+    n_ok = dict.fromkeys(sorted(loaded), 0)
+    n_fail = dict.fromkeys(sorted(loaded), 0)
+    unlisted: dict[int, dict[str, int]] = {r: {} for r in sorted(loaded)}  # rank -> component -> count
+    unlisted_layers: dict[int, list[int]] = {r: [] for r in sorted(loaded)}
+    for items in work.values():  # one group dequantized at a time, for every rank
+        full_by_name = full_tensors(model, spec, items[0][3])
+        for rank, name, got, param in items:
+            if got.dtype == torch.uint8:
+                problem = diagnose_raw(model, spec, got, param, rank, tp, n_kv)
+                if problem is None:
+                    n_ok[rank] += 1
+                else:
+                    n_fail[rank] += 1
+                    message, component, stats = problem
+                    if n_fail[rank] <= MAX_FAILS_PER_RANK:
+                        results.append(failed("weights.loaded.raw_slice", component, f"rank {rank}: {name}: {message}",
+                                              tensor=name, layer=param.group.layer,
+                                              stats={"rank": rank, "tp": tp, **stats}, worst={"rank": rank}))
+                    else:
+                        unlisted[rank][component] = unlisted[rank].get(component, 0) + 1
+                        if param.group.layer is not None:
+                            unlisted_layers[rank].append(param.group.layer)
+                continue
+            full = full_by_name[name] if name in full_by_name else next(iter(full_by_name.values()))
+            want = shard(full, param.rule, rank, tp, n_kv)
+            problem = diagnose_slice(got, want, full, param, rank, tp, n_kv, spec)
+            if problem is None:
+                n_ok[rank] += 1
+                continue
+            n_fail[rank] += 1
+            message, component, stats = problem
+            if n_fail[rank] > MAX_FAILS_PER_RANK:
+                unlisted[rank][component] = unlisted[rank].get(component, 0) + 1
+                if param.group.layer is not None:
+                    unlisted_layers[rank].append(param.group.layer)
+            else:
+                results.append(failed("weights.loaded.slice", component, f"rank {rank}: {name}: {message}",
+                                      tensor=name, layer=param.group.layer, stats={"rank": rank, "tp": tp, **stats},
+                                      worst={"rank": rank}))
+    for rank in sorted(loaded):
+        if n_fail[rank] > MAX_FAILS_PER_RANK:
+            counts = unlisted[rank]
+            main = max(counts, key=counts.get)
+            kinds = ", ".join(f"{n} {c}" for c, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+            results.append(failed("weights.loaded.slice", main,
+                                  f"rank {rank}: {n_fail[rank] - MAX_FAILS_PER_RANK} more wrong parameter(s) not listed "
+                                  f"({kinds})", stats={"rank": rank, "wrong": n_fail[rank], "unlisted": counts},
+                                  layer=min(unlisted_layers[rank], default=None)))
+        if n_ok[rank]:
+            results.append(passed("weights.loaded.slice", "weights",
+                                  f"rank {rank}: {n_ok[rank]} parameter(s) equal their expected TP {tp} slices",
+                                  stats={"rank": rank, "tp": tp, "parameters": n_ok[rank]}))
+    return results
+
+
+def check_engine_weights(model: "GGUFModel", spec: ArchSpec, table: TensorTable, engine,
+                         names: list[str] | None = None) -> list[Result]:
+    """THE weights audit through the Engine interface (``engine.weight(hf_name, rank=r)``).
+
+    Asks in the layout the engine declares (``Capabilities.weight_layout``), for every HF
+    parameter the file provides (or ``names``), one rank and one parameter at a time. A
+    parameter the engine does not expose is counted in one SKIP; parameters the engine holds
+    (``held_weight_names``) that no expected name covers are listed in another, so nothing an
+    engine holds is skipped silently.
+    """
+    caps = engine.capabilities
+    if not caps.weights:
+        return [skipped("weights.loaded.slice", "weights", caps.why_not("weights"))]
+    tp = int(caps.tp_size)
+    layout = caps.weight_layout
+    wanted = names if names is not None else sorted(hf_params(spec, table, model.tensors, layout))
+    loaded = {rank: LazyRankWeights(engine, wanted, rank) for rank in range(tp)}
+    results = check_loaded_weights(model, spec, table, loaded, tp, layout)
+    missing = [f"{name}@{rank}" for rank, per_rank in loaded.items() for name in per_rank.missing]
+    if missing:
+        results.append(skipped("weights.loaded.exposed", "weights",
+                               f"the engine did not expose {len(missing)} parameter(s), e.g. {missing[0]}",
+                               stats={"missing": missing[:50]}))
+    unaudited = _unaudited(engine, set(wanted), tp, spec)
+    if unaudited:
+        results.append(skipped("weights.loaded.unaudited", "weights",
+                               f"the engine holds {len(unaudited)} parameter(s) the audit could not compare with "
+                               f"the file, e.g. {unaudited[0]}", stats={"names": unaudited[:50]}))
+    return results
+
+
+def _unaudited(engine, audited: set[str], tp: int, spec: ArchSpec) -> list[str]:
+    """Parameters the engine holds (by its own account) that no expected name covers."""
+    from ggufcheck.engines.base import Unsupported
+
+    out = []
+    tied = "lm_head.weight" if getattr(spec, "tied_output", False) else None
+    for rank in range(tp):
+        try:
+            held = engine.held_weight_names(rank=rank)
+        except Unsupported:
+            return []
+        out += [f"{name}@{rank}" for name in held if name not in audited and name != tied]
+    return out

@@ -10,19 +10,16 @@ gathers follow from a formula, with no tolerance:
 - all-gather: rank r sends ``r * 1000 + (i % 500)``; the result is every rank's in rank order
 
 Sizes include one larger than typical chunk sizes of ring algorithms. On NCCL the low
-precision dtypes the engines reduce in (bf16, fp16) are exercised as well.
+precision dtypes the engines reduce in (bf16, fp16) are exercised as well. The answers are
+judged in :mod:`ggufcheck.checks.sharding.invariance` (``check_collectives``).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from ggufcheck.results import Result, failed, passed
 from ggufcheck.sharding.dist import RankContext
 
-COMPONENT = "sharding"
 SIZES = (7, 4099, 65537)  # odd, just past a power of two, and one past 2^16
 
 
@@ -64,38 +61,3 @@ def expected(op: str, dtype: torch.dtype, n: int, world_size: int) -> torch.Tens
     if op == "all_reduce":
         return ((torch.arange(n) % _modulus(dtype) + 1) * (world_size * (world_size + 1) // 2)).to(dtype)
     return torch.cat([_gather_input(r, n, dtype) for r in range(world_size)])
-
-
-def check_collectives(per_rank: list[dict[str, torch.Tensor]], backend: str) -> list[Result]:
-    """One Result per collective (all dtypes and sizes): every rank must hold exactly the answer."""
-    world_size = len(per_rank)
-    cases: dict[str, list[str]] = {}
-    for key in per_rank[0]:
-        cases.setdefault(key.split("/")[0], []).append(key)
-    results = []
-    for op, keys in cases.items():
-        bad: list[dict[str, Any]] = []
-        for key in keys:
-            _, dtype_name, n = key.split("/")
-            want = expected(op, getattr(torch, dtype_name), int(n), world_size)
-            for rank, got in enumerate(per_rank):
-                t = got[key]
-                if t.shape != want.shape:
-                    bad.append({"rank": rank, "case": key, "problem": f"shape {tuple(t.shape)} != {tuple(want.shape)}"})
-                    continue
-                wrong = (t.double() != want.double()).nonzero()
-                if len(wrong):
-                    i = int(wrong[0, 0])
-                    bad.append({"rank": rank, "case": key, "index": i, "got": float(t[i]),
-                                "expected": float(want[i]), "n_wrong": len(wrong)})
-        cases_text = ", ".join(k.split("/", 1)[1].replace("/", " x ") for k in keys)
-        what = f"{op} over {world_size} rank(s) ({backend}) of {cases_text}"
-        stats = {"world_size": world_size, "cases": [k.split("/", 1)[1] for k in keys]}
-        if bad:
-            results.append(failed(f"sharding.collectives.{op}", COMPONENT,
-                                  f"{op}: {len(bad)} (rank, case) pair(s) hold a wrong result, first rank "
-                                  f"{bad[0]['rank']} in {bad[0]['case']}", stats=stats, worst=bad[0]))
-        else:
-            results.append(passed(f"sharding.collectives.{op}", COMPONENT, f"{what}: exact on every rank",
-                                  stats=stats))
-    return results

@@ -4,7 +4,8 @@ On the file's real dequantized weights (fp64) and one fixed random input per kin
 unsharded side is the reference (``ggufcheck.reference``: dense / mla / dsa / layers), the
 sharded side :mod:`ggufcheck.sharding.parallel` run by N processes
 (:mod:`ggufcheck.sharding.dist`). All kinds and the collectives self-test share ONE run
-(process start-up is the cost). Per kind the Result names the worst rank and element.
+(process start-up is the cost). The checks (:mod:`ggufcheck.checks.sharding.invariance`)
+name per kind the worst rank and element.
 
 Tolerance (declared here, style principle 8): in fp64 the two sides differ only by the
 order of summation (partial sums per rank, then the all-reduce), so
@@ -27,15 +28,12 @@ from ggufcheck.reference import mla as ref_mla
 from ggufcheck.reference.cache import LayerCache
 from ggufcheck.reference.config import ReferenceConfig
 from ggufcheck.reference.layers import causal_mask, linear, moe_block, rms_norm, route, swiglu
-from ggufcheck.results import Result, errored, failed, passed, skipped
-from ggufcheck.sharding import collectives
 from ggufcheck.sharding.dist import DistOptions, LocalContext, RanksFailed, resolve_backend, run_ranks
 from ggufcheck.sharding.mla import VLLM_LAYOUT, KvBLayout
 from ggufcheck.sharding.parallel import ExpertSubset, LayerJob, RunPayload, rank_run, rope_tables, run_job
 from ggufcheck.sharding.plan import kind_problems
 from ggufcheck.sharding.rules import Loader, ShardRule, pad_vocab, shard
 
-COMPONENT = "sharding"
 RTOL = 1e-9
 START_POS = 37  # positions far from 0: at position 0 every rope is the identity
 
@@ -53,7 +51,8 @@ class InvarianceOptions:
     collectives: bool = True
     start_method: str | None = None  # None: fork for gloo on Linux, spawn for NCCL (dist.py)
     max_layer_elements: int = 400_000_000  # skip a kind whose fp64 weights would exceed ~3 GiB
-    skipped: list[Result] = field(default_factory=list)
+    # kinds left out while building the jobs, as (kind, layer, why): facts the checks report
+    not_run: list[tuple[str, int | None, str]] = field(default_factory=list)
 
 
 # --- building the jobs ----------------------------------------------------------------------
@@ -76,7 +75,7 @@ def make_jobs(cfg: ReferenceConfig, layer_weights: Any, opts: InvarianceOptions)
         try:
             return layer_weights(layer, prefixes)
         except LayerTooLarge as err:
-            opts.skipped.append(skipped(f"sharding.tp.{kind}", COMPONENT, f"not run: {err}", layer=layer))
+            opts.not_run.append((kind, layer, f"not run: {err}"))
             return None
 
     attn_names = ("attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm", "rope_freqs") if not cfg.is_mla \
@@ -104,7 +103,7 @@ def make_jobs(cfg: ReferenceConfig, layer_weights: Any, opts: InvarianceOptions)
             if w is None:
                 why = f"{err}, and so do the experts routed for a single token" if hasattr(layer_weights, "experts") \
                     else str(err)
-                opts.skipped.append(skipped("sharding.tp.moe", COMPONENT, f"not run: {why}", layer=moe_layer))
+                opts.not_run.append(("moe", moe_layer, f"not run: {why}"))
         else:
             x_moe = x
         if w is not None:
@@ -252,7 +251,7 @@ def unsharded(cfg: ReferenceConfig, job: LayerJob) -> dict[str, Tensor]:
 # --- comparing ------------------------------------------------------------------------------
 
 
-def _partial_diffs(cfg: ReferenceConfig, rules: dict[str, ShardRule], job: LayerJob, per_rank: list[dict[str, Any]], tp: int) -> list[float]:
+def partial_diffs(cfg: ReferenceConfig, rules: dict[str, ShardRule], job: LayerJob, per_rank: list[dict[str, Any]], tp: int) -> list[float]:
     """Per rank: how far its collective inputs are from those of a known-good loader."""
     good = RunPayload(cfg, rules, [job], shard, VLLM_LAYOUT, collectives=False)
     out = []
@@ -264,121 +263,49 @@ def _partial_diffs(cfg: ReferenceConfig, rules: dict[str, ShardRule], job: Layer
     return out
 
 
-def compare(cfg: ReferenceConfig, rules: dict[str, ShardRule], job: LayerJob, want: dict[str, Tensor], per_rank: list[dict[str, Any]],
-            tp: int, backend: str) -> list[Result]:
-    """Sharded vs unsharded for one job: worst rank and element; padding and top-k extras."""
-    kind = job.kind
-    check = f"sharding.tp.{kind}"
-    where = dict(tensor=job.tensor or None, layer=job.layer)
-    errors = [(r, o["error"]) for r, o in enumerate(per_rank) if "error" in o]
-    if errors:
-        rank, msg = errors[0]
-        return [errored(check, COMPONENT, f"rank {rank} raised while running {kind} at TP {tp}: {msg}",
-                        stats={"tp": tp, "traceback": per_rank[rank].get("traceback", "")[-2000:]}, **where)]
-    ref = want["out"]
-    finite = torch.isfinite(ref)
-    scale = max(1.0, float(ref[finite].abs().max())) if bool(finite.any()) else 1.0
-    worst_rank, worst_diff, worst_idx = 0, -1.0, None
-    for r, o in enumerate(per_rank):
-        got = o["out"]
-        if got.shape != ref.shape:
-            return [failed(check, COMPONENT, f"rank {r} output shape {tuple(got.shape)} != unsharded {tuple(ref.shape)}",
-                           stats={"tp": tp}, worst={"rank": r}, **where)]
-        both_inf = (~finite) & (got == ref)  # masked scores are -inf on both sides
-        diff = torch.where(both_inf, torch.zeros_like(ref), (got - ref).abs()).nan_to_num(nan=float("inf"))
-        d = float(diff.max()) if diff.numel() else 0.0
-        if d > worst_diff:
-            worst_rank, worst_diff = r, d
-            worst_idx = list(torch.unravel_index(diff.argmax(), diff.shape)) if diff.numel() else []
-    tol = RTOL * scale
-    idx = tuple(int(i) for i in worst_idx or [])
-    worst = {"rank": worst_rank, "element": list(idx), "abs_diff": worst_diff}
-    if idx:
-        worst.update(sharded=float(per_rank[worst_rank]["out"][idx]), unsharded=float(ref[idx]))
-    if worst_diff > tol:  # after an all-reduce every rank holds the same wrong sum: find who made it
-        partial_diff = _partial_diffs(cfg, rules, job, per_rank, tp)
-        bad_ranks = [r for r, d in enumerate(partial_diff) if d > tol]
-        worst.update(partial_max_abs_diff_by_rank=partial_diff, ranks_with_wrong_partials=bad_ranks)
-        if bad_ranks:
-            worst["rank"] = max(bad_ranks, key=lambda r: partial_diff[r])
-    stats = {"tp": tp, "backend": backend, "max_abs_diff": worst_diff, "tolerance": tol, "scale": scale,
-             "shape": list(ref.shape)}
-    what = f"{kind} sharded over {tp} rank(s) vs unsharded"
-    results = []
-    if worst_diff <= tol:
-        results.append(passed(check, COMPONENT, f"{what}: max |diff| {worst_diff:.3g} <= {tol:.3g}",
-                              stats=stats, worst=worst, **where))
-    else:
-        results.append(failed(check, COMPONENT,
-                              f"{what}: max |diff| {worst_diff:.3g} > {tol:.3g} at element {list(idx)}; "
-                              + (f"wrong partial results on rank(s) {worst['ranks_with_wrong_partials']}, worst rank "
-                                 f"{worst['rank']}" if worst.get("ranks_with_wrong_partials") else
-                                 "every rank's partial is right: the collective or the combination is wrong"),
-                              stats=stats, worst=worst, **where))
-    if "padding_max" in per_rank[0]:
-        n_pad = pad_vocab(next(iter(job.weights.values())).shape[0]) - next(iter(job.weights.values())).shape[0]
-        pad = [float(o["padding_max"].max()) for o in per_rank]
-        bad = [r for r, p in enumerate(pad) if p != 0]
-        c = f"sharding.vocab.padding_zero.{kind}"
-        if bad:
-            results.append(failed(c, COMPONENT, f"{kind}: vocab padding rows are not zero on rank(s) {bad}",
-                                  stats={"tp": tp, "padding_max_by_rank": pad}, **where))
-        else:
-            results.append(passed(c, COMPONENT, f"{kind}: the {n_pad} vocab padding row(s) are zero on every rank"
-                                  if n_pad else f"{kind}: vocabulary needs no padding rows at TP {tp}",
-                                  stats={"tp": tp, "padding_rows": n_pad}, **where))
-    if "topk" in want:
-        results.append(_compare_topk(job, want["topk"], per_rank, tp, **where))
-    return results
+@dataclass
+class InvarianceRun:
+    """What one sharded run produced: per runnable job the unsharded answer and every rank's
+    output, the collectives' per-rank results, and what did not run (with why)."""
 
-
-def _compare_topk(job: LayerJob, want: Tensor, per_rank: list[dict[str, Any]], tp: int, **where: Any) -> Result:
-    check = "sharding.tp.indexer_topk"
-    for r, o in enumerate(per_rank):
-        for t in range(want.shape[0]):
-            a = set(want[t].tolist()) - {-1}
-            b = set(o["topk"][t].tolist()) - {-1}
-            if a != b:
-                return failed(check, COMPONENT, f"indexer top-k differs on rank {r} at query {t}",
-                              stats={"tp": tp, "missing": sorted(a - b), "extra": sorted(b - a)},
-                              worst={"rank": r, "query": t}, **where)
-    return passed(check, COMPONENT, f"indexer top-k identical on all {tp} rank(s) for {want.shape[0]} queries",
-                  stats={"tp": tp, "top_k": int(want.shape[1])}, **where)
-
-
-# --- the run --------------------------------------------------------------------------------
+    tp: int
+    backend: str
+    not_run: list[tuple[LayerJob | None, str, int | None, str]]  # (job, kind, layer, why)
+    jobs: list[LayerJob] = field(default_factory=list)
+    want: list[dict[str, Tensor]] = field(default_factory=list)  # per job: the unsharded side
+    per_rank: list[list[dict[str, Any]]] = field(default_factory=list)  # per job: each rank's output
+    collectives: list[dict[str, Tensor]] | None = None  # per rank, when they ran
+    failure: RanksFailed | None = None  # the whole run failed (nothing else is filled)
 
 
 def run_invariance(cfg: ReferenceConfig, rules: dict[str, ShardRule], jobs: list[LayerJob],
-                   opts: InvarianceOptions) -> list[Result]:
-    """Run every runnable job sharded (one process group), compare each with the reference."""
-    results: list[Result] = list(opts.skipped)
+                   opts: InvarianceOptions) -> InvarianceRun:
+    """Run every runnable job sharded (one process group) and the unsharded reference of each;
+    the judging is :mod:`ggufcheck.checks.sharding.invariance`'s."""
+    backend = resolve_backend(opts.backend, opts.tp)
+    out = InvarianceRun(opts.tp, backend, [(None, kind, layer, why) for kind, layer, why in opts.not_run])
     runnable = []
     for job in jobs:
         problems = kind_problems(rules, {n: tuple(t.shape) for n, t in job.weights.items()}, opts.tp,
                                  cfg.n_head, 0 if cfg.is_mla else cfg.n_head_kv)
         n_el = sum(t.numel() for t in job.weights.values())
         if problems:
-            results.append(skipped(f"sharding.tp.{job.kind}", COMPONENT,
-                                   f"not run at TP {opts.tp}: {problems[0]} (the plan reports it)",
-                                   tensor=job.tensor or None, layer=job.layer))
+            out.not_run.append((job, job.kind, job.layer, f"not run at TP {opts.tp}: {problems[0]} (the plan reports it)"))
         elif n_el > opts.max_layer_elements:
-            results.append(skipped(f"sharding.tp.{job.kind}", COMPONENT,
-                                   f"not run: {n_el:,} weights in fp64 exceed the CPU budget of "
-                                   f"{opts.max_layer_elements:,} elements",
-                                   tensor=job.tensor or None, layer=job.layer))
+            out.not_run.append((job, job.kind, job.layer, f"not run: {n_el:,} weights in fp64 exceed the CPU budget of "
+                                                          f"{opts.max_layer_elements:,} elements"))
         else:
             runnable.append(job)
-    backend = resolve_backend(opts.backend, opts.tp)
     payload = RunPayload(cfg, rules, runnable, opts.loader, opts.kv_layout, opts.collectives)
     try:
         per_rank = run_ranks(rank_run, payload, DistOptions(opts.tp, backend, opts.timeout_s, opts.start_method))
     except RanksFailed as err:
-        return results + [errored("sharding.tp.run", COMPONENT, f"the sharded run failed: {err.message}",
-                                  stats={"tp": opts.tp, "backend": backend, "detail": err.detail[-2000:]})]
+        out.failure = err
+        return out
     for i, job in enumerate(runnable):
-        results.extend(compare(cfg, rules, job, unsharded(cfg, job), [o["jobs"][i] for o in per_rank],
-                               opts.tp, backend))
+        out.jobs.append(job)
+        out.want.append(unsharded(cfg, job))
+        out.per_rank.append([o["jobs"][i] for o in per_rank])
     if opts.collectives:
-        results.extend(collectives.check_collectives([o["collectives"] for o in per_rank], backend))
-    return results
+        out.collectives = [o["collectives"] for o in per_rank]
+    return out

@@ -1,4 +1,5 @@
-"""The ``weights`` stage hook: each rank's loaded parameters vs their expected slices of the GGUF.
+"""Each rank's loaded parameters vs their expected slices of the GGUF: the expected values and
+what a wrong one holds instead (judged in :mod:`ggufcheck.checks.weights`).
 
 An engine adapter that can see its workers' parameters hands over
 ``loaded: {rank: {hf_name: tensor}}`` (HF names; checkpoint layout by default). For every
@@ -30,14 +31,13 @@ from ggufcheck.arch.rebuild import groups
 from ggufcheck.arch.spec import ArchSpec
 from ggufcheck.arch.table import TensorTable
 from ggufcheck.arch.transforms import TRANSFORMS
-from ggufcheck.results import Result, failed, passed, skipped
+from ggufcheck.comparison import within_rtol
 from ggufcheck.sharding.mla import KV_B_RULE
 from ggufcheck.sharding.rules import REPLICATED, ShardRule, raw_shard, rule_from_shard, shard
 
 if TYPE_CHECKING:  # pragma: no cover
     from ggufcheck.gguf.reader import GGUFModel
 
-MAX_FAILS_PER_RANK = 20
 _EPS = {torch.float64: 1.2e-7, torch.float32: 1.2e-7, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 
@@ -81,7 +81,7 @@ def hf_params(spec: ArchSpec, table: TensorTable, names, layout: str = "checkpoi
     return out
 
 
-def _full_tensors(model: "GGUFModel", spec: ArchSpec, param: HFParam) -> dict[str, Tensor]:
+def full_tensors(model: "GGUFModel", spec: ArchSpec, param: HFParam) -> dict[str, Tensor]:
     from ggufcheck.gguf.dequant import dequantize_tensor
 
     values = {role: dequantize_tensor(model, e.name) for role, e in param.group.inputs.items()}
@@ -89,90 +89,12 @@ def _full_tensors(model: "GGUFModel", spec: ArchSpec, param: HFParam) -> dict[st
 
 
 def _close(got: Tensor, want: Tensor) -> tuple[bool, float]:
-    eps = _EPS.get(got.dtype, 1.2e-7)
-    diff = (got.double() - want.double()).abs()
-    ok = bool((diff <= eps * want.double().abs() + 1e-30).all())
-    return ok, float(diff.max()) if diff.numel() else 0.0
+    """Within one rounding of ``got``'s dtype of ``want``, elementwise; and the max |diff|."""
+    cmp = within_rtol(got, want, _EPS.get(got.dtype, 1.2e-7))
+    return cmp.ok, cmp.extra["max_abs_diff"]
 
 
-def check_loaded_weights(model: "GGUFModel", spec: ArchSpec, table: TensorTable,
-                         loaded: Mapping[int, Mapping[str, Tensor]], tp: int,
-                         layout: str = "checkpoint") -> list[Result]:
-    """Every rank's loaded parameters against their expected slices (see module docstring)."""
-    params = hf_params(spec, table, model.tensors, layout)
-    if "lm_head.weight" not in params and "token_embd.weight" in model.tensors:  # tied embeddings
-        embed = params.get("model.embed_tokens.weight")
-        if embed is not None:
-            params["lm_head.weight"] = HFParam("lm_head.weight", embed.rule, embed.group, "weights")
-    n_kv = 0 if spec.mla is not None else spec.n_head_kv
-    wanted = {n for per_rank in loaded.values() for n in per_rank}
-    results: list[Result] = []
-    unknown = sorted(n for n in wanted if n not in params)
-    if unknown:
-        results.append(skipped("weights.loaded.unknown", "weights",
-                               f"{len(unknown)} loaded parameter(s) have no table row (not audited), e.g. {unknown[0]}",
-                               stats={"names": unknown[:50]}))
-    work: dict[int, list[tuple[int, str, Tensor, HFParam]]] = {}  # group -> its (rank, name) items
-    for rank in sorted(loaded):
-        for name, got in loaded[rank].items():
-            if name in params:
-                work.setdefault(id(params[name].group), []).append((rank, name, got, params[name]))
-    n_ok = dict.fromkeys(sorted(loaded), 0)
-    n_fail = dict.fromkeys(sorted(loaded), 0)
-    unlisted: dict[int, dict[str, int]] = {r: {} for r in sorted(loaded)}  # rank -> component -> count
-    unlisted_layers: dict[int, list[int]] = {r: [] for r in sorted(loaded)}
-    for items in work.values():  # one group dequantized at a time, for every rank
-        full_by_name = _full_tensors(model, spec, items[0][3])
-        for rank, name, got, param in items:
-            if got.dtype == torch.uint8:
-                problem = _diagnose_raw(model, spec, got, param, rank, tp, n_kv)
-                if problem is None:
-                    n_ok[rank] += 1
-                else:
-                    n_fail[rank] += 1
-                    message, component, stats = problem
-                    if n_fail[rank] <= MAX_FAILS_PER_RANK:
-                        results.append(failed("weights.loaded.raw_slice", component, f"rank {rank}: {name}: {message}",
-                                              tensor=name, layer=param.group.layer,
-                                              stats={"rank": rank, "tp": tp, **stats}, worst={"rank": rank}))
-                    else:
-                        unlisted[rank][component] = unlisted[rank].get(component, 0) + 1
-                        if param.group.layer is not None:
-                            unlisted_layers[rank].append(param.group.layer)
-                continue
-            full = full_by_name[name] if name in full_by_name else next(iter(full_by_name.values()))
-            want = shard(full, param.rule, rank, tp, n_kv)
-            problem = _diagnose(got, want, full, param, rank, tp, n_kv, spec)
-            if problem is None:
-                n_ok[rank] += 1
-                continue
-            n_fail[rank] += 1
-            message, component, stats = problem
-            if n_fail[rank] > MAX_FAILS_PER_RANK:
-                unlisted[rank][component] = unlisted[rank].get(component, 0) + 1
-                if param.group.layer is not None:
-                    unlisted_layers[rank].append(param.group.layer)
-            else:
-                results.append(failed("weights.loaded.slice", component, f"rank {rank}: {name}: {message}",
-                                      tensor=name, layer=param.group.layer, stats={"rank": rank, "tp": tp, **stats},
-                                      worst={"rank": rank}))
-    for rank in sorted(loaded):
-        if n_fail[rank] > MAX_FAILS_PER_RANK:
-            counts = unlisted[rank]
-            main = max(counts, key=counts.get)
-            kinds = ", ".join(f"{n} {c}" for c, n in sorted(counts.items(), key=lambda kv: -kv[1]))
-            results.append(failed("weights.loaded.slice", main,
-                                  f"rank {rank}: {n_fail[rank] - MAX_FAILS_PER_RANK} more wrong parameter(s) not listed "
-                                  f"({kinds})", stats={"rank": rank, "wrong": n_fail[rank], "unlisted": counts},
-                                  layer=min(unlisted_layers[rank], default=None)))
-        if n_ok[rank]:
-            results.append(passed("weights.loaded.slice", "weights",
-                                  f"rank {rank}: {n_ok[rank]} parameter(s) equal their expected TP {tp} slices",
-                                  stats={"rank": rank, "tp": tp, "parameters": n_ok[rank]}))
-    return results
-
-
-def _diagnose_raw(model: "GGUFModel", spec: ArchSpec, got: Tensor, param: HFParam, rank: int, tp: int,
+def diagnose_raw(model: "GGUFModel", spec: ArchSpec, got: Tensor, param: HFParam, rank: int, tp: int,
                   n_kv: int) -> tuple[str, str, dict] | None:
     """None when quantized bytes ``got`` are rank's slice of the GGUF tensor's bytes."""
     import warnings
@@ -220,7 +142,7 @@ def row_order(transform: str, spec: ArchSpec, n_rows: int) -> Tensor:
     return TRANSFORMS[transform].to_hf({"w": index}, spec, "w")["w"][:, 0].long()
 
 
-def _diagnose(got: Tensor, want: Tensor, full: Tensor, param: HFParam, rank: int, tp: int,
+def diagnose_slice(got: Tensor, want: Tensor, full: Tensor, param: HFParam, rank: int, tp: int,
               n_kv: int, spec: ArchSpec | None = None) -> tuple[str, str, dict] | None:
     """None when ``got`` is rank's expected slice; else (message, component, stats)."""
     rule, component = param.rule, param.component
@@ -283,49 +205,3 @@ class LazyRankWeights(Mapping):
 
     def __len__(self) -> int:
         return len(self.names)
-
-
-def check_engine_weights(model: "GGUFModel", spec: ArchSpec, table: TensorTable, engine,
-                         names: list[str] | None = None) -> list[Result]:
-    """THE weights audit through the Engine interface (``engine.weight(hf_name, rank=r)``).
-
-    Asks in the layout the engine declares (``Capabilities.weight_layout``), for every HF
-    parameter the file provides (or ``names``), one rank and one parameter at a time. A
-    parameter the engine does not expose is counted in one SKIP; parameters the engine holds
-    (``held_weight_names``) that no expected name covers are listed in another, so nothing an
-    engine holds is skipped silently.
-    """
-    caps = engine.capabilities
-    if not caps.weights:
-        return [skipped("weights.loaded.slice", "weights", caps.why_not("weights"))]
-    tp = int(caps.tp_size)
-    layout = caps.weight_layout
-    wanted = names if names is not None else sorted(hf_params(spec, table, model.tensors, layout))
-    loaded = {rank: LazyRankWeights(engine, wanted, rank) for rank in range(tp)}
-    results = check_loaded_weights(model, spec, table, loaded, tp, layout)
-    missing = [f"{name}@{rank}" for rank, per_rank in loaded.items() for name in per_rank.missing]
-    if missing:
-        results.append(skipped("weights.loaded.exposed", "weights",
-                               f"the engine did not expose {len(missing)} parameter(s), e.g. {missing[0]}",
-                               stats={"missing": missing[:50]}))
-    unaudited = _unaudited(engine, set(wanted), tp, spec)
-    if unaudited:
-        results.append(skipped("weights.loaded.unaudited", "weights",
-                               f"the engine holds {len(unaudited)} parameter(s) the audit could not compare with "
-                               f"the file, e.g. {unaudited[0]}", stats={"names": unaudited[:50]}))
-    return results
-
-
-def _unaudited(engine, audited: set[str], tp: int, spec: ArchSpec) -> list[str]:
-    """Parameters the engine holds (by its own account) that no expected name covers."""
-    from ggufcheck.engines.base import Unsupported
-
-    out = []
-    tied = "lm_head.weight" if getattr(spec, "tied_output", False) else None
-    for rank in range(tp):
-        try:
-            held = engine.held_weight_names(rank=rank)
-        except Unsupported:
-            return []
-        out += [f"{name}@{rank}" for name in held if name not in audited and name != tied]
-    return out

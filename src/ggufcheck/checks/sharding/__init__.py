@@ -2,12 +2,13 @@
 
 In dependency order, all from the GGUF file and CPUs (or GPUs with NCCL when present):
 
-1. the plan (:mod:`ggufcheck.sharding.plan`): divisibility, quant-block alignment of
+1. the plan (:mod:`ggufcheck.checks.sharding.plan`): divisibility, quant-block alignment of
    row-parallel splits for each tensor's actual type, vocab padding, per-rank memory;
 2. MLA kv_b (:mod:`ggufcheck.sharding.mla`): every rank's W_UK / W_UV are the k_b / v_b of
    that rank's heads, exactly;
-3. numeric TP invariance (:mod:`ggufcheck.sharding.invariance`): every layer kind sharded
-   over N ranks equals the reference unsharded, in fp64; plus the collectives self-test.
+3. numeric TP invariance (run by :mod:`ggufcheck.sharding.invariance`, judged by
+   :mod:`ggufcheck.checks.sharding.invariance`): every layer kind sharded over N ranks equals
+   the reference unsharded, in fp64; plus the collectives self-test.
 
 Entry points: :func:`run_sharding_stage` (the ``shard`` command), :func:`plan_results`
 (the plan alone, for ``inspect --tp``), :func:`plan_known` (real GLM-5 / DeepSeek-V3
@@ -29,7 +30,7 @@ from ggufcheck.errors import GGUFCheckError
 from ggufcheck.gguf.reader import GGUFModel
 from ggufcheck.results import Result, StageReport, errored, failed, passed, skipped
 from ggufcheck.sharding import mla as shard_mla
-from ggufcheck.sharding.plan import plan
+from ggufcheck.checks.sharding.plan import plan
 from ggufcheck.sharding.rules import rules_from_table
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -108,6 +109,7 @@ def run_sharding_stage(model: GGUFModel, opts: ShardOptions, **invariance_overri
     """
     from ggufcheck.reference.config import config_from_gguf
     from ggufcheck.sharding.dist import resolve_backend
+    from ggufcheck.checks.sharding.invariance import judge_invariance
     from ggufcheck.sharding.invariance import InvarianceOptions, gguf_layer_weights, make_jobs, run_invariance
 
     report = StageReport(STAGE, info={"tp": opts.tp, "model": str(model.path)})
@@ -135,7 +137,7 @@ def run_sharding_stage(model: GGUFModel, opts: ShardOptions, **invariance_overri
                               seed=opts.seed, kinds=opts.kinds, **invariance_overrides)
     with torch.no_grad():
         jobs = make_jobs(cfg, gguf_layer_weights(model, max_elements=iopts.max_layer_elements), iopts)
-        report.add(run_invariance(cfg, rules, jobs, iopts))
+        report.add(judge_invariance(cfg, rules, run_invariance(cfg, rules, jobs, iopts)))
     return report
 
 
