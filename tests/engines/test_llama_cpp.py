@@ -138,6 +138,25 @@ def test_llama_cpp_expert_choices_are_read_and_match_the_reference(tiny_gguf, ar
         assert got[("router_probs", i)].shape[0] == len(tokens) and got[("router_probs", i)].shape[1] > ids.shape[1]
 
 
+def test_chunked_trace_reads_every_rows_experts_when_the_last_chunk_is_one_token(tiny_gguf):
+    """ffn_moe_topk is contiguous only in a one-token batch: a prompt fed in chunks whose last
+    chunk is one token (351 = 70 x 5 + 1) once came back with that token's ids alone, [1, k]
+    for 351 rows, so the chunked path's routing was never compared. Every row's experts, in
+    both traces, equal the one prefill's (the same CPU arithmetic)."""
+    from ggufcheck.engines.llama_cpp import LlamaCppEngine
+
+    tokens = [int(t) for t in np.random.default_rng(0).integers(1, 200, 351)]
+    with LlamaCppEngine(tiny_gguf("deepseek2", seed=1).path) as engine:
+        whole = engine.layer_outputs(tokens, ("router",)).tensors
+        chunked = engine.chunked_layer_outputs(tokens, 5, ("router",)).tensors
+        one = engine.layer_outputs(tokens[:1], ("router",)).tensors
+    assert whole and whole.keys() == chunked.keys()
+    for key, ids in whole.items():
+        assert ids.shape == chunked[key].shape == (351, ids.shape[1]), key
+        np.testing.assert_array_equal(ids, chunked[key])
+        np.testing.assert_array_equal(one[key], ids[:1])
+
+
 def test_mla_graphs_expose_the_residual_between_the_blocks(tiny_gguf):
     """deepseek2's graph names no attention output, but its ffn_inp is the residual between the
     blocks: with the FFN / MoE output it adds up to the layer's output (checks.path_layers uses

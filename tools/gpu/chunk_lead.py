@@ -57,6 +57,7 @@ def main() -> int:
     reference = ReferenceEngine(args.model, dtype="fp64")
     print(f"engine: {engine.name}; reference: {reference.name}")
     kinds = ("residual", "attention", "ffn")
+    moe_kinds = (*kinds, "router", "router_probs", "router_biased")
     for n, prompt in enumerate(builtin_prompts()):
         if args.prompt and n not in args.prompt:
             continue
@@ -81,8 +82,24 @@ def main() -> int:
         if kp[pos] < args.trace_above:
             continue
         rt = reference.layer_outputs(tokens, kinds).tensors
-        wt = engine.layer_outputs(tokens, kinds).tensors
-        ct = engine.chunked_layer_outputs(tokens, args.chunk, kinds).tensors
+        wt = engine.layer_outputs(tokens, moe_kinds).tensors
+        ct = engine.chunked_layer_outputs(tokens, args.chunk, moe_kinds).tensors
+        for (kind, i), ids_w in sorted(wt.items(), key=lambda kv: kv[0][1]):
+            if kind != "router":  # the experts each path chose for the worst row (and the row before)
+                continue
+            ids_c = ct.get(("router", i))
+            scores_w = wt.get(("router_biased", i), wt.get(("router_probs", i)))
+            scores_c = ct.get(("router_biased", i), ct.get(("router_probs", i)))
+            for t in (pos - 1, pos):
+                a, b = sorted(np.asarray(ids_w)[t].tolist()), (sorted(np.asarray(ids_c)[t].tolist()) if ids_c is not None else None)
+                gap = ""
+                if scores_w is not None:
+                    sw = np.sort(np.asarray(scores_w, np.float64)[t])[::-1]
+                    k = len(a)
+                    gap = f", whole's own gap (k-th minus (k+1)-th score) {sw[k - 1] - sw[k]:.3g}"
+                if scores_c is not None and scores_w is not None:
+                    gap += f", scores differ by max {np.abs(np.asarray(scores_c, np.float64)[t] - np.asarray(scores_w, np.float64)[t]).max():.3g}"
+                print(f"  layer {i} row {t}: experts whole {a} chunked {b} ({'same' if a == b else 'DIFFERENT'}){gap}")
         layers = sorted({i for _, i in rt})
         print(f"  traced at position {pos}: relative error vs the fp64 reference, whole / chunked "
               "[chunked vs whole]")

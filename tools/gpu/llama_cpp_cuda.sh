@@ -153,14 +153,11 @@ if has real; then  # SmolLM2-135M Q4_1 (98 MB), carried in two calls as .gpu/rea
   TAILN=25 step 150 real-hf-bf16 python3 -m ggufcheck diagnose $M --no-sanity --no-kernels --engine hf:bf16@cuda --device 0 --json $W/real-hf-bf16.json
 fi
 
-if has reallead; then  # the SmolLM2 lead: which layer / op makes CUDA prefill 5.8x further from fp64 than the CPU
+if has reallead; then  # the SmolLM2 lead (which layer / block makes CUDA prefill 5.8x further from fp64 than
+  # the CPU) and the MoE / Q2_K chunked leads; most telling first
   cat .gpu/realA/* .gpu/realB/* > $W/models/smollm2.gguf && sha256sum $W/models/smollm2.gguf | cut -c1-16
   M=$W/models/smollm2.gguf
   TAILN=40 step 60 lead-ngl99 python3 tools/gpu/real_lead.py $M --spec n_gpu_layers=99 --prompt 3
-  TAILN=40 step 60 lead-ngl99-cublas32 env GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32 python3 tools/gpu/real_lead.py $M --spec n_gpu_layers=99 --prompt 3
-  TAILN=40 step 60 lead-ngl99-fa python3 tools/gpu/real_lead.py $M --spec n_gpu_layers=99,flash_attn=1 --prompt 3
-  TAILN=40 step 60 lead-ngl0 python3 tools/gpu/real_lead.py $M --spec n_gpu_layers=0 --prompt 3
-  TAILN=8 step 70 real-cublas32 env GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32 python3 -m ggufcheck diagnose $M --no-sanity --no-kernels --engine llama-cpp:n_gpu_layers=99 --json $W/real-cublas32.json
   # the MoE chunked leads: the chunked path's MoE output is wrong at one token (same experts chosen);
   # chunks of 2..8 tokens take the matrix-vector MUL_MAT_ID kernels on sm_90, 9 the matrix-matrix ones
   python3 - <<'EOF2'
@@ -169,8 +166,11 @@ d = dict(seed=3, n_embd=256, n_ff=512, n_ff_exp=256)
 b("deepseek2", "/tmp/l20/models/ds2-q4k.gguf", qtypes="Q4_K", **d)
 b("glm4moe", "/tmp/l20/models/fam-glm4moe.gguf", qtypes="Q4_K", **d)
 EOF2
-  for c in 5 8 9 2; do
+  for c in 5 9 8 2; do
     TAILN=6 step 40 moe-ds2-f32-c$c env GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32 python3 tools/gpu/chunk_lead.py $W/models/ds2-q4k.gguf --chunk $c --prompt 2 --worst 2 --runs 1 --trace-above 100
+  done
+  for c in 5 9; do
+    TAILN=6 step 40 moe-glm4moe-c$c python3 tools/gpu/chunk_lead.py $W/models/fam-glm4moe.gguf --chunk $c --prompt 2 --worst 2 --runs 1 --trace-above 100
   done
   # Q2_K with a q8_0 K cache: one batch wrong, chunks of 5 right; batches of <= 8 take the
   # matrix-vector (MMVQ / FA vec) kernels that read q8_0 directly, 9 the batched ones
@@ -178,9 +178,9 @@ EOF2
   for kv in "flash_attn=0,n_batch=8" "flash_attn=0,n_batch=9" "flash_attn=1,n_batch=8"; do
     TAILN=3 step 30 q2k-k8-$kv python3 -m ggufcheck diagnose --no-sanity --no-kernels --sweep-to 0 --decode-to 0 $W/models/qm/matrix-q2_k.gguf --engine llama-cpp:n_gpu_layers=99,type_k=8,$kv --json $W/q2k-k8-$kv.json
   done
-  for c in 5 9; do
-    TAILN=6 step 40 moe-glm4moe-c$c python3 tools/gpu/chunk_lead.py $W/models/fam-glm4moe.gguf --chunk $c --prompt 2 --worst 2 --runs 1 --trace-above 100
-  done
+  TAILN=40 step 60 lead-ngl99-cublas32 env GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32 python3 tools/gpu/real_lead.py $M --spec n_gpu_layers=99 --prompt 3
+  TAILN=40 step 60 lead-ngl0 python3 tools/gpu/real_lead.py $M --spec n_gpu_layers=0 --prompt 3
+  TAILN=40 step 60 lead-ngl99-fa python3 tools/gpu/real_lead.py $M --spec n_gpu_layers=99,flash_attn=1 --prompt 3
 fi
 
 if has envtime; then  # where the environment stage's time goes (imports, fatbinary parse, cuobjdump)

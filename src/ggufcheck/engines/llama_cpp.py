@@ -48,7 +48,7 @@ NODE_KINDS = {
     "attn_out": "attention",
     "ffn_out": "ffn",
     "ffn_moe_out": "moe",
-    "ffn_moe_topk": "router",  # int32 expert ids chosen per token (a view: not captured, see _trace)
+    "ffn_moe_topk": "router",  # int32 expert ids chosen per token (a view: derived instead, see _trace)
     "ffn_moe_argsort": "router_order",  # int32 [T, n_expert] experts by selection score, best first
     "ffn_moe_probs": "router_probs",  # [T, n_expert] after the gating function
     "ffn_moe_probs_biased": "router_biased",  # + exp_probs_b: what the top-k is taken over
@@ -323,7 +323,7 @@ class LlamaCppEngine(Engine):
         self._check_length(len(tokens))
         node_kinds_ = self._node_kinds
         wanted = {name for name, kind in node_kinds_.items()
-                  if kind in kinds or (kind == "router_order" and "router" in kinds)}
+                  if (kind in kinds and kind != "router") or (kind == "router_order" and "router" in kinds)}
         ggml = ctypes.CDLL(str(library_dir(lib) / "libggml-base.so"))
         ggml.ggml_get_name.restype = ctypes.c_char_p
         ggml.ggml_get_name.argtypes = [ctypes.c_void_p]
@@ -396,11 +396,12 @@ class LlamaCppEngine(Engine):
         if not captured:
             raise Unsupported("llama.cpp's eval callback produced none of the named layer nodes")
         tensors = {k: np.concatenate(v, axis=0) if len(v) > 1 else v[0] for k, v in captured.items()}
-        # ffn_moe_topk is a view of the argsort (not contiguous, so not read): the chosen
-        # experts are the argsort's first expert_used_count columns
+        # ffn_moe_topk is a view of the argsort, contiguous (so read by the callback) only for a
+        # one-token batch: a prompt fed in chunks would yield its last one-token chunk's ids
+        # alone. The chosen experts are always the argsort's first expert_used_count columns.
         used = int((self._llm.metadata or {}).get(f"{self._arch}.expert_used_count", 0) or 0)
         for (kind, i), order in list(tensors.items()):
-            if kind == "router_order" and used and ("router", i) not in tensors and "router" in kinds:
+            if kind == "router_order" and used and "router" in kinds:
                 tensors[("router", i)] = np.ascontiguousarray(order[:, :used])
         return LayerTrace(np.array(tokens), tensors, names)
 
