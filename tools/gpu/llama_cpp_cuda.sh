@@ -166,12 +166,14 @@ d = dict(seed=3, n_embd=256, n_ff=512, n_ff_exp=256)
 b("deepseek2", "/tmp/l20/models/ds2-q4k.gguf", qtypes="Q4_K", **d)
 b("glm4moe", "/tmp/l20/models/fam-glm4moe.gguf", qtypes="Q4_K", **d)
 EOF2
-  for c in 5 9 8 2; do
-    TAILN=6 step 40 moe-ds2-f32-c$c env GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32 python3 tools/gpu/chunk_lead.py $W/models/ds2-q4k.gguf --chunk $c --prompt 2 --worst 2 --runs 1 --trace-above 100
+  TAILN=20 step 40 moe-ds2-f32-c5 env GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32 python3 tools/gpu/chunk_lead.py $W/models/ds2-q4k.gguf --chunk 5 --prompt 2 --worst 2 --runs 1 --trace-above 1
+  for c in 9 8 2; do
+    TAILN=4 step 40 moe-ds2-f32-c$c env GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32 python3 tools/gpu/chunk_lead.py $W/models/ds2-q4k.gguf --chunk $c --prompt 2 --worst 2 --runs 1 --trace-above 100
   done
-  for c in 5 9; do
-    TAILN=6 step 40 moe-glm4moe-c$c python3 tools/gpu/chunk_lead.py $W/models/fam-glm4moe.gguf --chunk $c --prompt 2 --worst 2 --runs 1 --trace-above 100
-  done
+  TAILN=20 step 40 moe-glm4moe-c5 python3 tools/gpu/chunk_lead.py $W/models/fam-glm4moe.gguf --chunk 5 --prompt 2 --worst 2 --runs 1 --trace-above 0.1
+  TAILN=4 step 40 moe-glm4moe-c9 python3 tools/gpu/chunk_lead.py $W/models/fam-glm4moe.gguf --chunk 9 --prompt 2 --worst 2 --runs 1 --trace-above 100
+  TAILN=10 step 45 re3-ds2-f32 env GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32 python3 -m ggufcheck diagnose --no-sanity --no-kernels --sweep-to 0 $W/models/ds2-q4k.gguf --engine llama-cpp:n_gpu_layers=99 --json $W/re3-ds2-f32.json
+  TAILN=10 step 45 re3-glm4moe python3 -m ggufcheck diagnose --no-sanity --no-kernels $W/models/fam-glm4moe.gguf --engine llama-cpp:n_gpu_layers=99 --json $W/re3-glm4moe.json
   # Q2_K with a q8_0 K cache: one batch wrong, chunks of 5 right; batches of <= 8 take the
   # matrix-vector (MMVQ / FA vec) kernels that read q8_0 directly, 9 the batched ones
   TAILN=2 step 40 q2k-keep python3 -m ggufcheck quants --types Q2_K --engine llama-cpp:n_gpu_layers=99 --keep $W/models/qm
