@@ -2,7 +2,9 @@
 
 A check never prints and never returns a bare bool. It returns a :class:`Result` with a
 status, the component it speaks about (from the verdict vocabulary), where (tensor, layer),
-statistics, the worst element, and a message. SKIP and ERROR always carry a reason.
+statistics, the worst element, and a message. SKIP and ERROR always carry a reason. A Result
+is never changed once made (frozen, its stats and worst read-only): a check that learns more
+makes a new one with :meth:`Result.amended`, so what a check judged is what gets reported.
 Results serialize to plain JSON (the schema version is in :data:`SCHEMA_VERSION`).
 """
 
@@ -10,8 +12,8 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
-from typing import Any, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Mapping
 
 SCHEMA_VERSION = 1
 
@@ -23,7 +25,27 @@ class Status(str, enum.Enum):
     ERROR = "ERROR"
 
 
-@dataclass
+class ReadOnlyDict(dict):
+    """A Result's stats / worst: a dict (JSON, ``|``, pickling work) that refuses changes."""
+
+    def _read_only(self, *_args: Any, **_kw: Any) -> None:
+        raise TypeError("a Result's stats are read-only: make a new one with Result.amended(stats=...)")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _read_only  # type: ignore[assignment]
+
+    def __reduce__(self):
+        return (ReadOnlyDict, (dict(self),))
+
+    def __copy__(self) -> "ReadOnlyDict":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "ReadOnlyDict":
+        import copy
+
+        return ReadOnlyDict(copy.deepcopy(dict(self), memo))
+
+
+@dataclass(frozen=True)
 class Result:
     """The outcome of one check."""
 
@@ -39,6 +61,16 @@ class Result:
     def __post_init__(self) -> None:
         if self.status in (Status.SKIP, Status.ERROR) and not self.message:
             raise ValueError(f"{self.check}: a {self.status.value} result needs a reason")
+        object.__setattr__(self, "stats", ReadOnlyDict(self.stats or {}))
+        if self.worst is not None:
+            object.__setattr__(self, "worst", ReadOnlyDict(self.worst))
+
+    def amended(self, note: str = "", *, message: str | None = None, stats: Mapping[str, Any] | None = None,
+                **changes: Any) -> "Result":
+        """A new Result: ``note`` appended to the message (or ``message`` instead of it),
+        ``stats`` merged into the stats, and any other field (check, component, ...) replaced."""
+        text = (self.message if message is None else message) + note
+        return replace(self, message=text, stats={**self.stats, **(stats or {})}, **changes)
 
     def __bool__(self) -> bool:  # a Result is truthy when it did not fail
         return self.status in (Status.PASS, Status.SKIP)

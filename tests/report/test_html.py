@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from dataclasses import replace
 import subprocess
 
 import pytest
@@ -69,7 +70,7 @@ def test_the_page_leads_with_the_answer_and_collapses_passing_rows():
     then details where passing rows are collapsed."""
     stages = sample_stages()
     stages[0].info["eliminates"] = "each layer's computation"
-    stages[0].results[0].worst = {"sequence": 1, "position": 7}
+    stages[0].results[0] = replace(stages[0].results[0], worst={"sequence": 1, "position": 7})
     page = render_html("diagnose tiny.gguf", stages, decide(stages))
     order = [page.index(k) for k in ("Verdict:", "Stages, in dependency order", "Failing checks, with their evidence",
                                      "<h2>Plots", "<h2>Details")]

@@ -185,19 +185,16 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
                 f"measured {_short(baseline_engine)} vs {_short(reference)}", judged_class)
         base_tables = None  # [T, V] each: not held through the sweep (1.5 GB on a 262k vocabulary)
         prefill_checks = judge(metrics, baseline, options.tolerance, detokenize=_detokenizer(engine, reference))
-        if tie_note:
-            prefill_checks[0].message += tie_note
-        logits_stage.add(prefill_checks)
-        prefill = prefill_checks[0]
-        if prefill.failed:
-            skipped_dsa = _dense_fits_better(reference, seqs, tables, prefill, say)
-            if skipped_dsa is not None:
-                logits_stage.add(skipped_dsa)
+        prefill = prefill_checks[0].amended(tie_note)
+        skipped_dsa = _dense_fits_better(reference, seqs, tables, prefill, say) if prefill.failed else None
         if prefill.failed and len(prefill_checks) > 1:
             first = first_divergence(metrics, prefill_checks[1].stats["limit"], landmarks(options))
             if first is not None:
-                prefill.stats["first_divergence"] = first
-                prefill.message += "; " + first["text"]
+                prefill = prefill.amended("; " + first["text"], stats={"first_divergence": first})
+        prefill_checks = [prefill, *prefill_checks[1:]]
+        logits_stage.add(prefill_checks)
+        if skipped_dsa is not None:
+            logits_stage.add(skipped_dsa)
         sweep = (_sweep(engine, seqs, generations, reference_score, baseline, options, say, baseline_engine)
                  if options.sweep_to else None)
         if sweep is not None:
@@ -219,24 +216,20 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
                     decode_metrics.ambiguous, f"measured {_short(baseline_engine)} vs {_short(reference)}",
                     judged_class)
             checks = judge(decode_metrics, decode_baseline, options.tolerance, component="decode")
-            checks[0].message += decode_note
-            decode = checks[0]
-            decode.check = "logits.decode_kl_mean"
             steps = ", ".join(str(len(g.generated)) for g in generations)
-            decode.message = f"decode steps vs the reference ({steps} steps): " + decode.message
+            decode = checks[0].amended(decode_note, message=f"decode steps vs the reference ({steps} steps): "
+                                                            + checks[0].message, check="logits.decode_kl_mean")
             if decode.failed:
                 first = first_divergence(decode_metrics, checks[1].stats["limit"], landmarks(options))
                 if first is not None:
-                    decode.stats["first_divergence"] = first
-                    decode.message += "; " + first["text"]
+                    decode = decode.amended("; " + first["text"], stats={"first_divergence": first})
             if decode.failed and prefill.failed:
-                decode.component = "output"  # both paths wrong: not a decode-path fault
+                decode = decode.amended(component="output")  # both paths wrong: not a decode-path fault
             logits_stage.add(decode)
             blame = _which_path(prefill, decode)
             if blame.failed and blame.component == "prefill" and sweep is not None and sweep.failed \
                     and sweep.stats.get("threshold"):  # the length where the prefill goes wrong, and its owner
-                blame.component = sweep.component
-                blame.message += "; " + sweep.message
+                blame = blame.amended("; " + sweep.message, component=sweep.component)
             logits_stage.add(blame)
         logits_stage.info.update({
             "reference": reference.name, "baseline": baseline.source,
@@ -509,7 +502,7 @@ def run(session: "Session") -> list[StageReport]:
         for stage in stages:
             if stage.stage == "logits":
                 stage.info["reference"] = f"{reference.name} (--reference {o.reference})"
-                for r in stage.failures:
-                    r.message += (f"; the engine and the reference {reference.name} disagree: without a third "
-                                  "implementation this does not say which of the two is wrong")
+                note = (f"; the engine and the reference {reference.name} disagree: without a third implementation "
+                        "this does not say which of the two is wrong")
+                stage.results = [r.amended(note) if r.failed else r for r in stage.results]
     return stages

@@ -95,9 +95,8 @@ def _pair_verdict(check: str, component: str, what: str, pairs: Sequence[tuple[T
             return full
         judged = _judge_pairs(check, component, what, pairs, baseline, tol, landmarks)
         if not judged.failed:
-            judged.message += ("; the paths differ only where such a tie lets them (over every position: "
-                               f"{full.message.split(': ', 1)[-1]})")
-            judged.stats["unmasked"] = full.stats
+            judged = judged.amended("; the paths differ only where such a tie lets them (over every position: "
+                                    f"{full.message.split(': ', 1)[-1]})", stats={"unmasked": dict(full.stats)})
         return judged
     return _judge_pairs(check, component, what, everywhere, baseline, tol, landmarks)
 
@@ -227,8 +226,7 @@ def check_prefill_vs_decode(engine: Engine, prompts: Sequence[Sequence[int]], ba
     result = _pair_verdict("paths.prefill_vs_decode", "decode",
                            f"teacher-forced prefill vs step-by-step decode ({steps} steps)", pairs, baseline,
                            options.tolerance, landmarks(options))
-    result.message += note
-    return result, generations
+    return result.amended(note), generations
 
 
 def check_batch_invariance(engine: Engine, prompts: Sequence[Sequence[int]], singles: Sequence[TokenLogprobs],
@@ -255,15 +253,14 @@ def check_determinism(engine: Engine, prompt: Sequence[int], first: TokenLogprob
         bitwise = bool(np.array_equal(first.logprobs[first.present], again.logprobs[again.present]))
     else:
         bitwise = bool(np.array_equal(first.topk_logprobs, again.topk_logprobs))
-    result.stats["bitwise"] = bitwise
+    facts: dict = {"bitwise": bitwise}
     notes = ["bitwise identical" if bitwise else "not bitwise identical"]
     if first_generation is not None:
         regen = engine.generate(first_generation.prompt, len(first_generation.generated), top_k=options.top_k)
         same = bool(np.array_equal(regen.generated, first_generation.generated))
-        result.stats["same_greedy_tokens"] = same
+        facts["same_greedy_tokens"] = same
         notes.append("same greedy tokens" if same else "greedy tokens differ")
-    result.message += "; " + ", ".join(notes)
-    return result
+    return result.amended("; " + ", ".join(notes), stats=facts)
 
 
 def check_chunked_prefill(engine: Engine, prompts: Sequence[Sequence[int]], singles: Sequence[TokenLogprobs],
@@ -304,11 +301,10 @@ def check_chunked_prefill(engine: Engine, prompts: Sequence[Sequence[int]], sing
                 found = localize_chunked(engine, used[seq], size, pos, *pairs[seq], result.stats["kl_max_limit"],
                                          reference_score, taken.get(seq))
                 if found["text"]:
-                    result.message += f"; at sequence {seq} position {pos}: " + found["text"]
-                    result.stats["localized"] = found
                     where = found.get("where") or {}
-                    if where.get("layer") is not None:
-                        result.layer = where["layer"]
+                    result = result.amended(f"; at sequence {seq} position {pos}: " + found["text"],
+                                            stats={"localized": found},
+                                            layer=where["layer"] if where.get("layer") is not None else result.layer)
             out.append(result)
     return out
 
@@ -339,13 +335,10 @@ def _past_routing_ties(engine: Engine, prompts, pairs, size: int, result: Result
     note = (f"; the two paths broke a MoE routing near-tie of the engine's own router scores (below the "
             f"{engine.capabilities.activation_dtype} margin {margin:g}) differently: {where}")
     if again.failed:
-        result.message += note + ", and the pair fails without those rows too"
-        result.stats["routing_ties"] = flips
-        return result, taken
-    again.message += note + "; those rows, which read that token through the cache, are left out"
-    again.stats["routing_ties"] = flips
-    again.stats["with_them"] = {k: result.stats.get(k) for k in ("kl", "kl_limit", "kl_max_limit")}
-    return again, taken
+        return result.amended(note + ", and the pair fails without those rows too", stats={"routing_ties": flips}), taken
+    return again.amended(note + "; those rows, which read that token through the cache, are left out",
+                         stats={"routing_ties": flips,
+                                "with_them": {k: result.stats.get(k) for k in ("kl", "kl_limit", "kl_max_limit")}}), taken
 
 
 def check_past_indexer_top_k(engine: Engine, long_prompt: Sequence[int] | None, baseline: Baseline,
@@ -360,9 +353,7 @@ def check_past_indexer_top_k(engine: Engine, long_prompt: Sequence[int] | None, 
                                         PathOptions(max_new_tokens=options.max_new_tokens, decode_prompts=1,
                                                     tolerance=options.tolerance, top_k=options.top_k,
                                                     long_decode_to=0), ambiguity)
-    result.check = "paths.past_indexer_top_k"
-    result.component = "indexer"
-    return result
+    return result.amended(check="paths.past_indexer_top_k", component="indexer")
 
 
 def run_paths(engine: Engine, prompts: Sequence[Sequence[int]], singles: Sequence[TokenLogprobs],
