@@ -13,7 +13,7 @@ from ggufcheck.checks.lengths import landmarks, sweep_lengths, sweep_sequence
 from ggufcheck.checks.logits import ALLOWANCES, LogitTolerance
 from ggufcheck.checks.paths import _pair_verdict
 from ggufcheck.engines.base import TokenLogprobs, log_softmax
-from ggufcheck.engines.faults import LongPromptWrong
+from ggufcheck.engines.faults import EarlyRowsNoisy, LongPromptWrong
 from ggufcheck.results import Status
 
 
@@ -78,6 +78,20 @@ def test_position_triggered_fault_names_its_onset(engines):
     result = _sweep(LongPromptWrong(engine, longer_than=100, from_row=128), reference, _prompts(1))
     assert result.status == Status.FAIL
     assert "from position 128 on" in result.message and "(128 tokens)" in result.message, result.message
+
+
+def test_early_positions_wrong_at_every_length_are_not_called_a_length_threshold(engines):
+    """SmolLM2 on llama.cpp's CUDA backend: the first positions of every prompt were far from
+    the reference, so the shortest sweep lengths (mostly those rows) failed and the longer ones
+    passed. That is an error at the first positions, said as such, not a prefill length switch."""
+    engine, reference = engines("llama")
+    result = _sweep(EarlyRowsNoisy(engine, rows=12, scale=0.03), reference, _prompts(1))
+    assert result.status == Status.FAIL and result.component == "output", result.message
+    early = result.stats["early_positions"]
+    assert early["mean_kl_first"] > early["limit"] > early["mean_kl_rest"], early
+    assert "not because of their length" in result.message and result.stats["threshold"] is None
+    # a length-triggered fault whose long prompts fail is still a threshold (the test above)
+    assert _sweep(LongPromptWrong(engine, longer_than=64), reference, _prompts(1)).stats["threshold"] == 65
 
 
 def test_threshold_at_the_indexer_top_k_names_the_indexer(engines):

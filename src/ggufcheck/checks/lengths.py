@@ -123,6 +123,7 @@ def check_prefill_lengths(engine: Engine, sequence: Sequence[int], reference: To
     limit, max_limit = limits(lengths[0])
     rows: list[dict] = []
     refused = None
+    longest_rows: tuple[np.ndarray, np.ndarray] | None = None  # (position, KL) of the longest length scored
     for n in lengths:
         try:
             table = engine.score(list(sequence[:n]), top_k=top_k)
@@ -134,6 +135,7 @@ def check_prefill_lengths(engine: Engine, sequence: Sequence[int], reference: To
             continue
         limit, max_limit = limits(n)
         kl = np.nan_to_num(m.kl, nan=np.inf)
+        longest_rows = (m.position, kl)
         mean, p99 = float(np.mean(kl)), float(np.percentile(kl, 99))
         rows.append({"length": n, "mean_kl": mean, "p99_kl": p99, "max_kl": float(np.max(kl)),
                      "kl_limit": limit, "kl_p99_limit": max_limit,
@@ -154,7 +156,33 @@ def check_prefill_lengths(engine: Engine, sequence: Sequence[int], reference: To
                                         f"reference (at {longest['length']}: mean KL {longest['mean_kl']:.3g} within "
                                         f"{longest['kl_limit']:.3g}, no run of rows over {longest['kl_p99_limit']:.3g})"
                                         + tail, stats=stats)
+    early = _early_positions(rows, longest_rows)
+    if early is not None:
+        return failed(CHECK, "output", early["text"], stats=stats | {"threshold": None, "early_positions": early})
     return failed(CHECK, *_threshold(rows, marks), stats=stats | {"threshold": _first_failing(rows)})
+
+
+def _early_positions(rows: list[dict], longest: tuple[np.ndarray, np.ndarray] | None) -> dict | None:
+    """When only the shortest prompts fail and every longer one passes, and the longest prompt's
+    own first rows are over the same limit: the error sits at the first positions of every
+    prompt (a short prompt is mostly those rows), not at a length that switches a path."""
+    fails = [r["length"] for r in rows if not r["ok"]]
+    passes = [r["length"] for r in rows if r["ok"]]
+    if not fails or not passes or max(fails) > min(passes) or longest is None:
+        return None
+    position, kl = longest
+    n = max(fails)
+    first, rest = kl[position < n], kl[position >= n]
+    limit = next(r for r in rows if r["length"] == n)["kl_limit"]
+    if not first.size or not rest.size or float(np.mean(first)) <= limit:
+        return None
+    mean_first, mean_rest = float(np.mean(first)), float(np.mean(rest))
+    text = (f"prompts of {', '.join(map(str, fails))} tokens disagree with the reference and the longer "
+            f"{', '.join(map(str, passes))} agree, but not because of their length: in the {rows[-1]['length']}-token "
+            f"prompt too the first {n} positions are off (mean KL {mean_first:.3g} over positions 0..{n - 1}, over "
+            f"the limit {limit:.3g}, against {mean_rest:.3g} after them); the engine computes the first positions "
+            "of every prompt less precisely (a short prompt is mostly those rows), whichever path serves them")
+    return {"positions": n, "mean_kl_first": mean_first, "mean_kl_rest": mean_rest, "limit": limit, "text": text}
 
 
 def _onset(bad: np.ndarray, position: np.ndarray) -> int | None:

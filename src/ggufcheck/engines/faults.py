@@ -140,3 +140,23 @@ class LongPromptWrong(WrappedEngine):
         start = 0 if self.from_row is None else self.from_row
         logits[start:] += self._rng.normal(0.0, 1.0, size=logits[start:].shape)
         return _full(table, log_softmax(logits))
+
+
+class EarlyRowsNoisy(WrappedEngine):
+    """The first ``rows`` positions of every prompt are computed less precisely (noise of
+    ``scale`` on their logits), whatever the prompt's length, decode untouched: what llama.cpp's
+    CUDA backend did to SmolLM2's first tokens (docs/real-world-cases.md), where the short
+    prompts of the length sweep fail only because their rows are mostly those positions."""
+
+    def __init__(self, inner: Engine, rows: int = 8, scale: float = 0.5, seed: int = 0):
+        super().__init__(inner)
+        self.rows, self.scale, self.seed = rows, scale, seed
+
+    def corrupt(self, table: TokenLogprobs) -> TokenLogprobs:
+        if table.logprobs is None:
+            return table
+        logits = table.logprobs.astype(np.float64).copy()
+        n = min(self.rows, len(logits))
+        noise = np.random.default_rng(self.seed).normal(0.0, self.scale, size=(self.rows, logits.shape[1]))
+        logits[:n] += noise[:n]  # the same noise per position at every length: a position's error, not a length's
+        return _full(table, log_softmax(logits))
