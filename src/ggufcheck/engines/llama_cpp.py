@@ -334,6 +334,7 @@ class LlamaCppEngine(Engine):
         ggml.ggml_is_contiguous.argtypes = [ctypes.c_void_p]
         captured: dict[tuple[str, int], list[np.ndarray]] = {}
         names: dict[tuple[str, int], str] = {}
+        seen: set[tuple[str, int]] = set()  # this llama_decode's nodes: a reshape may reuse a node's name
 
         def key_of(name: str) -> tuple[str, int] | None:
             base, _, layer = name.rpartition("-")
@@ -347,7 +348,7 @@ class LlamaCppEngine(Engine):
             key = key_of(name)
             if ask:
                 return key is not None
-            if key is None:
+            if key is None or key in seen:
                 return True
             head = _GGMLTensorHead.from_address(tensor)
             if head.type not in (GGML_TYPE_F32, GGML_TYPE_I32) or not ggml.ggml_is_contiguous(tensor):
@@ -361,6 +362,7 @@ class LlamaCppEngine(Engine):
             arr = buf.reshape(ne[1], ne[0]) if ne[2] * ne[3] == 1 else buf.reshape(ne[::-1])  # [T, D]
             captured.setdefault(key, []).append(arr.astype(np.float32))
             names[key] = name
+            seen.add(key)
             return True
 
         # the scoring context's own parameters (KV cache types, flash attention, offload...):
@@ -387,6 +389,7 @@ class LlamaCppEngine(Engine):
                         batch.n_seq_id[j] = 1
                         batch.seq_id[j][0] = 0
                         batch.logits[j] = True
+                    seen.clear()
                     if lib.llama_decode(ctx, batch) != 0:
                         raise Unsupported("llama_decode failed during the layer trace")
             finally:

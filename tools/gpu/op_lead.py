@@ -1,0 +1,101 @@
+"""The SmolLM2-on-CUDA lead, one matrix product at a time (issue 20).
+
+real_lead.py showed llama.cpp's CUDA backend 5x further from fp64 than its CPU backend in
+layer 0's attention and FFN blocks of SmolLM2 Q4_1. This script asks each quantized product of
+layer 0 the same question on its own: given the input the engine itself fed it (captured with
+the eval callback), how far is the engine's output from
+
+- the exact product in fp64 (weights dequantized by gguf-py, an implementation independent of
+  both llama.cpp and ggufcheck), and
+- the product a correct 8-bit kernel computes: the input rounded to ``q8_1`` blocks as ggml
+  does (32 values, scale = max|x| / 127 stored as f16, values rounded to nearest), times the
+  same weights, in fp64.
+
+A correct kernel sits at float32 accumulation distance (~1e-6) from the second; its distance
+from the first is the q8_1 rounding. Per product, per row (row 0 alone: the first token).
+
+Run (llama_cpp is imported before numpy: a CUDA libllama dies at load otherwise, see
+docs/real-world-cases.md): python tools/gpu/op_lead.py MODEL [--spec n_gpu_layers=99] [--tokens 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import llama_cpp  # noqa: F401  (first: see the docstring)
+import numpy as np
+
+# (input node, output node, weight): the products of layer 0 whose input the graph names
+PRODUCTS = (("attn_norm", "Vcur", "attn_v"), ("attn_norm", "Kcur", "attn_k"), ("kqv_out", "attn_out", "attn_output"),
+            ("ffn_norm", "ffn_up", "ffn_up"), ("ffn_norm", "ffn_gate", "ffn_gate"))
+
+
+def q8_1(x: np.ndarray) -> np.ndarray:
+    """ggml's q8_1 rounding of rows of x (blocks of 32 along the last axis), dequantized."""
+    rows, n = x.shape
+    blocks = x.reshape(rows, n // 32, 32).astype(np.float32)
+    amax = np.abs(blocks).max(axis=-1, keepdims=True)
+    d = amax / 127.0
+    safe = np.where(d > 0, d, 1.0)
+    q = np.where(d > 0, np.round(blocks / safe), 0.0)  # ggml: roundf(x * (1/d))
+    d16 = d.astype(np.float16).astype(np.float64)
+    return (q * d16).reshape(rows, n)
+
+
+def rel_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.linalg.norm(a - b, axis=-1) / np.maximum(np.linalg.norm(b, axis=-1), 1e-30)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--spec", default="n_gpu_layers=99")
+    ap.add_argument("--tokens", type=int, action="append", help="batch sizes to trace (default 1 and 16)")
+    ap.add_argument("--layer", type=int, default=0)
+    args = ap.parse_args()
+
+    import gguf
+
+    from ggufcheck.checks.prompts import builtin_prompts
+    from ggufcheck.engines.llama_cpp import LlamaCppEngine
+
+    options = {}
+    for item in filter(None, args.spec.split(",")):
+        k, _, v = item.partition("=")
+        options[k] = int(v)
+    engine = LlamaCppEngine(args.model, **options)
+    nodes = {name for product in PRODUCTS for name in product[:2]}
+    engine._node_kinds.update({name: f"op:{name}" for name in nodes})  # capture these nodes too
+    reader = gguf.GGUFReader(args.model)
+    weights = {}
+    for t in reader.tensors:
+        for _, _, w in PRODUCTS:
+            if t.name == f"blk.{args.layer}.{w}.weight":
+                weights[w] = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64)  # [out, in]
+                weights[w + ":type"] = t.tensor_type.name
+    tokens = engine.tokenize(builtin_prompts()[3].text)
+    print(f"engine: {engine.name} ({args.spec or 'CPU'}); layer {args.layer}; product error per row: "
+          "vs exact fp64 | vs a correct q8_1 kernel (row 0 / median of the rest)")
+    for n in args.tokens or [1, 16]:
+        trace = engine._trace(tokens[:n], [f"op:{name}" for name in nodes], None).tensors
+        print(f"  a batch of {n} token(s):")
+        for src, dst, w in PRODUCTS:
+            x, y = trace.get((f"op:{src}", args.layer)), trace.get((f"op:{dst}", args.layer))
+            if x is None or y is None or w not in weights:
+                print(f"    {w}: not captured ({src} -> {dst})")
+                continue
+            x = np.asarray(x, np.float64).reshape(n, -1)
+            y = np.asarray(y, np.float64).reshape(n, -1)
+            W = weights[w]
+            exact, emulated = x @ W.T, q8_1(x) @ W.T
+            e1, e2 = rel_rows(y, exact), rel_rows(y, emulated)
+            rest = (lambda e: f"{np.median(e[1:]):.3g}" if n > 1 else "-")
+            print(f"    {w} ({weights[w + ':type']}, {W.shape[1]} -> {W.shape[0]}): exact {e1[0]:.3g} / {rest(e1)} | "
+                  f"q8_1 kernel {e2[0]:.3g} / {rest(e2)}; input max|x| row 0 {np.abs(x[0]).max():.4g}")
+    engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
