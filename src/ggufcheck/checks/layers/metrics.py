@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ggufcheck.checks.layers.options import LayerOptions
+from ggufcheck.comparison import Comparison, Worst
 
 
 def rel_errors(got: Tensor, want: Tensor) -> Tensor:
@@ -32,6 +33,8 @@ class MaxError:
     sequence: int | None = None
     position: int | None = None
     element: int | None = None
+    got: float | None = None  # both sides at the worst element
+    want: float | None = None
 
     def update(self, errs: Tensor, got: Tensor, want: Tensor, seq: int, keep: Tensor | None = None) -> None:
         if keep is not None:
@@ -46,11 +49,19 @@ class MaxError:
             diff = (got[t].to(torch.float64) - want[t].to(torch.float64)).abs()
             diff = torch.nan_to_num(diff, nan=math.inf)
             self.value, self.sequence, self.position, self.element = v, seq, t, int(torch.argmax(diff))
+            self.got, self.want = float(got[t, self.element]), float(want[t, self.element])
 
     def worst(self) -> dict[str, Any] | None:
         if self.sequence is None:
             return None
-        return {"sequence": self.sequence, "position": self.position, "element": self.element}
+        return {"sequence": self.sequence, "position": self.position, "element": self.element,
+                "got": self.got, "want": self.want}
+
+    def comparison(self, limit: float, what: str = "", baseline: float | None = None) -> Comparison:
+        """This maximum as a :class:`Comparison` (relative error, worst element with both sides)."""
+        worst = None if self.sequence is None else Worst((self.sequence, self.position, self.element),
+                                                          self.got, self.want)
+        return Comparison("rel_error", self.value, limit, what, baseline, worst)
 
 
 def limit_for(baseline: float, opts: LayerOptions, allowance: float) -> float:
