@@ -6,7 +6,9 @@ core) compete for the cores, each with ggufcheck's thread sizing (``ggufcheck.ru
 without it (``GGUFCHECK_THREADS=off``: every pool at its default), and prints each run's wall
 time, its CPU time (user + system of the child), CPU / wall, and the loaded / quiet ratios.
 Thread pools that spin (OpenMP, ggml) show as CPU time that buys nothing under load; the goal
-is a loaded run of at most ~2x the quiet one on 2 cores (issue 22).
+is a loaded run of at most ~2x the quiet one on 2 cores (issue 22). Each line also prints
+the bound a fair scheduler sets for that run (its serial and parallel parts, from the quiet
+run's wall and CPU time): the part of the ratio that no thread sizing can remove.
 
 Usage: python benchmarks/under_load.py [--load N] [--out benchmarks/results/under_load_cpu.txt]
 """
@@ -46,6 +48,21 @@ def _run(model: str, sized: bool = True) -> tuple[float, float, int]:
     return wall, cpu, proc.returncode
 
 
+def fair_share_wall(wall: float, cpu: float, cores: int, load: int) -> float:
+    """The loaded wall time a fair scheduler allows a run whose quiet ``wall`` and ``cpu``
+    split into a serial part S (one thread) and a parallel part P (every core):
+    S + P / cores = wall, S + P = cpu. Under ``load`` busy processes, one thread gets
+    cores / (1 + load) of the machine (at most a core), ``cores`` threads cores * cores /
+    (cores + load) (at most all cores): what no thread sizing can beat."""
+    if cores < 2:
+        return wall * (1 + load)
+    parallel = max(0.0, (cpu - wall) * cores / (cores - 1))
+    serial = max(0.0, cpu - parallel)
+    one = min(1.0, cores / (1 + load))
+    every = min(float(cores), cores * cores / (cores + load))
+    return serial / one + parallel / every
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--load", type=int, default=len(os.sched_getaffinity(0)), help="competing busy processes")
@@ -72,9 +89,13 @@ def main() -> int:
         how = "ggufcheck's sizing" if sized else "pools at their defaults"
         for name, (wall, cpu, code) in (("quiet", quiet[sized]), (f"{args.load} busy processes", loaded[sized])):
             lines.append(f"| {how}, {name} | {wall:.1f} | {cpu:.1f} | {cpu / wall:.2f} | {code} |")
+    cores = len(os.sched_getaffinity(0))
     for sized in (False, True):
         how = "ggufcheck's sizing" if sized else "pools at their defaults"
-        lines.append(f"\n{how}: loaded / quiet wall time {loaded[sized][0] / quiet[sized][0]:.2f}x (goal: <= ~2x)")
+        wall, cpu, _ = quiet[sized]
+        bound = fair_share_wall(wall, cpu, cores, args.load)
+        lines.append(f"\n{how}: loaded / quiet wall time {loaded[sized][0] / wall:.2f}x (goal: <= ~2x); a fair "
+                     f"scheduler's bound for this run's serial / parallel split: {bound:.1f} s, {bound / wall:.2f}x")
     print("\n".join(lines))
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")

@@ -22,12 +22,8 @@ import argparse
 import sys
 
 import numpy as np
+from leadlib import kl_rows, open_engines
 
-
-def kl_rows(ref: np.ndarray, got: np.ndarray) -> np.ndarray:
-    """KL(ref || got) per row of two [T, V] log-prob tables."""
-    p = np.exp(ref)
-    return (p * (ref - got)).sum(axis=-1)
 
 
 def rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -46,16 +42,8 @@ def main() -> int:
     args = ap.parse_args()
 
     from ggufcheck.checks.prompts import builtin_prompts
-    from ggufcheck.engines.isolated import IsolatedEngine
-    from ggufcheck.engines.reference import ReferenceEngine
 
-    options = {}
-    for item in filter(None, args.spec.split(",")):
-        k, _, v = item.partition("=")
-        options[k] = int(v)
-    engine = IsolatedEngine("ggufcheck.engines.llama_cpp:LlamaCppEngine", args.model, preload=("llama_cpp",), **options)
-    reference = ReferenceEngine(args.model, dtype="fp64")
-    print(f"engine: {engine.name}; reference: {reference.name}")
+    engine, reference = open_engines(args.model, args.spec)
     kinds = ("residual", "attention", "ffn")
     moe_kinds = (*kinds, "router", "router_probs", "router_biased")
     for n, prompt in enumerate(builtin_prompts()):

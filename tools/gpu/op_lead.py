@@ -25,6 +25,7 @@ import sys
 
 import llama_cpp  # noqa: F401  (first: see the docstring)
 import numpy as np
+from leadlib import rel_rows, spec_options
 
 # (input node, output node, weight): the products of layer 0 whose input the graph names
 PRODUCTS = (("attn_norm", "Vcur", "attn_v"), ("attn_norm", "Kcur", "attn_k"), ("kqv_out", "attn_out", "attn_output"),
@@ -43,10 +44,6 @@ def q8_1(x: np.ndarray) -> np.ndarray:
     return (q * d16).reshape(rows, n)
 
 
-def rel_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.linalg.norm(a - b, axis=-1) / np.maximum(np.linalg.norm(b, axis=-1), 1e-30)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -60,11 +57,7 @@ def main() -> int:
     from ggufcheck.checks.prompts import builtin_prompts
     from ggufcheck.engines.llama_cpp import LlamaCppEngine
 
-    options = {}
-    for item in filter(None, args.spec.split(",")):
-        k, _, v = item.partition("=")
-        options[k] = int(v)
-    engine = LlamaCppEngine(args.model, **options)
+    engine = LlamaCppEngine(args.model, **spec_options(args.spec))
     nodes = {name for product in PRODUCTS for name in product[:2]}
     engine._node_kinds.update({name: f"op:{name}" for name in nodes})  # capture these nodes too
     reader = gguf.GGUFReader(args.model)

@@ -23,17 +23,7 @@ import argparse
 import sys
 
 import numpy as np
-
-
-def kl_rows(ref: np.ndarray, got: np.ndarray) -> np.ndarray:
-    """KL(ref || got) per row of two [T, V] log-prob tables."""
-    p = np.exp(ref)
-    return (p * (ref - got)).sum(axis=-1)
-
-
-def rel_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Per-row relative error ||a - b|| / ||b|| of two [T, D] arrays."""
-    return np.linalg.norm(a - b, axis=-1) / np.maximum(np.linalg.norm(b, axis=-1), 1e-30)
+from leadlib import kl_rows, open_engines, rel_rows
 
 
 def main() -> int:
@@ -45,16 +35,8 @@ def main() -> int:
     args = ap.parse_args()
 
     from ggufcheck.checks.prompts import builtin_prompts
-    from ggufcheck.engines.isolated import IsolatedEngine
-    from ggufcheck.engines.reference import ReferenceEngine
 
-    options = {}
-    for item in filter(None, args.spec.split(",")):
-        k, _, v = item.partition("=")
-        options[k] = int(v)
-    engine = IsolatedEngine("ggufcheck.engines.llama_cpp:LlamaCppEngine", args.model, preload=("llama_cpp",), **options)
-    reference = ReferenceEngine(args.model, dtype="fp64")
-    print(f"engine: {engine.name}; reference: {reference.name}")
+    engine, reference = open_engines(args.model, args.spec)
     kinds = ("residual", "after_attention", "attention", "ffn")
     layers = [int(x) for x in args.layers.split(",")]
     for n, prompt in enumerate(builtin_prompts()):
