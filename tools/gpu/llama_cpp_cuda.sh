@@ -156,6 +156,8 @@ fi
 if has oplead; then  # the SmolLM2 lead one product at a time: layer 0's Q4_1 products on the engine's own input
   cat .gpu/realA/* .gpu/realB/* > $W/models/smollm2.gguf && sha256sum $W/models/smollm2.gguf | cut -c1-16
   TAILN=16 step 40 oplead-ngl99 python3 tools/gpu/op_lead.py $W/models/smollm2.gguf --spec n_gpu_layers=99 --tokens 1 --tokens 16 --tokens 96
+  # what the CUDA products should be if the q8_1 block sums are the cause (CPU emulation, same file)
+  TAILN=8 step 40 q8emu python3 tools/gpu/q8_1_emulation.py $W/models/smollm2.gguf
 fi
 
 if has reallead; then  # the SmolLM2 lead (which layer / block makes CUDA prefill 5.8x further from fp64 than
