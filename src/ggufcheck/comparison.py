@@ -57,7 +57,7 @@ class Comparison:
 
     @property
     def ok(self) -> bool:
-        return not math.isnan(self.value) and self.value <= self.limit
+        return bool(not math.isnan(self.value) and self.value <= self.limit)
 
     def __bool__(self) -> bool:
         return self.ok
@@ -122,7 +122,7 @@ def max_abs(got: Any, want: Any, limit: float, what: str = "", *, baseline: floa
         return _shape_mismatch("max_abs", what, g, w, limit)
     with np.errstate(invalid="ignore"):
         diff = np.where(g == w, 0.0, np.abs(g - w))
-    diff = np.nan_to_num(diff, nan=np.inf)
+    diff = np.nan_to_num(diff, nan=np.inf, posinf=np.inf)
     value = float(diff.max()) if diff.size else 0.0
     return Comparison("max_abs", value, limit, what, baseline, _worst(diff, g, w), int(diff.size))
 
@@ -137,7 +137,8 @@ def rel_error(got: Any, want: Any, limit: float, what: str = "", *, baseline: fl
     value = float(np.linalg.norm(g - w)) / norm if norm > 0 else (0.0 if not diff.any() else math.inf)
     if not np.isfinite(g).all():
         value = math.nan
-    return Comparison("rel_error", value, limit, what, baseline, _worst(np.nan_to_num(diff, nan=np.inf), g, w),
+    return Comparison("rel_error", float(value), limit, what, baseline,
+                      _worst(np.nan_to_num(diff, nan=np.inf, posinf=np.inf), g, w),
                       int(diff.size))
 
 
@@ -149,10 +150,11 @@ def within_rtol(got: Any, want: Any, rtol: float, what: str = "", *, atol: float
         return _shape_mismatch("rtol", what, g, w, rtol)
     diff = np.abs(g - w)
     with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = np.nan_to_num(diff / (np.abs(w) + atol / max(rtol, 1e-300)), nan=np.inf)
+        ratio = np.nan_to_num(diff / (np.abs(w) + atol / max(rtol, 1e-300)), nan=np.inf, posinf=np.inf)
     value = float(ratio.max()) if ratio.size else 0.0
     return Comparison("rtol", value, rtol, what, None, _worst(ratio, g, w), int(ratio.size),
-                      extra={"max_abs_diff": float(np.nan_to_num(diff, nan=np.inf).max()) if diff.size else 0.0})
+                      extra={"max_abs_diff": float(np.nan_to_num(diff, nan=np.inf, posinf=np.inf).max())
+                             if diff.size else 0.0})
 
 
 def exact(got: Any, want: Any, what: str = "") -> Comparison:
