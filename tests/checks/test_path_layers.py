@@ -110,6 +110,26 @@ def test_routing_near_tie_flips_are_found_only_below_the_margin():
     assert routing_near_tie_flips(whole, chunked, margin=1e-4) == []
 
 
+def test_an_ffn_parting_with_the_same_experts_says_how_far_the_router_scores_moved():
+    """The tiny deepseek2 on CUDA (docs/real-world-cases.md): both paths chose the same experts
+    where they parted, but their router scores were 0.11 apart, which a MoE output follows."""
+    from ggufcheck.checks.path_layers import where_paths_part
+
+    rng = np.random.default_rng(0)
+    residual = {i: rng.normal(size=(6, 8)) for i in (0, 1)}
+    probs = np.tile([0.5, 0.3, 0.15, 0.05], (6, 1))
+    whole = {("residual", 0): residual[0], ("residual", 1): residual[1],
+             ("after_attention", 1): residual[0].copy(), ("router", 1): np.tile([0, 1], (6, 1)),
+             ("router_probs", 1): probs}
+    chunked = {key: value.copy() for key, value in whole.items()}
+    chunked[("residual", 1)][4] += 5.0  # the layer's output parts at position 4 ...
+    chunked[("router_probs", 1)][4] = [0.4, 0.35, 0.2, 0.05]  # ... same top-2, scores 0.1 apart
+    found = where_paths_part(None, list(range(6)), 5, 5, 0.15, traced=(whole, chunked))
+    assert (found["layer"], found["block"], found["position"]) == (1, "ffn", 4), found["text"]
+    assert found["router_scores_difference"] == pytest.approx(0.1)
+    assert "same experts chosen and their router scores up to 0.1 apart" in found["text"]
+
+
 class _FlipsAtOneRow:
     """A q8-class engine over the fp32 reference whose chunked path routes row ``at`` of layer 1
     to another expert at a selection gap of ``gap`` and, from that row on, serves other

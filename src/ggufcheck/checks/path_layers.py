@@ -193,6 +193,13 @@ def where_paths_part(engine: Engine, tokens: Sequence[int], chunk_size: int, pos
     what = {"attention": "in the attention (it reads the KV cache the earlier chunks wrote)",
             "ffn": "in the FFN / MoE block (the attention output still agrees)",
             "layer": "inside it (the engine exposes no block outputs)"}[block]
+    scores_w, scores_c = _selection_scores(whole, i), _selection_scores(chunked, i)
+    if block == "ffn" and ids_w is not None and ids_c is not None and scores_w is not None and scores_c is not None:
+        # the same experts: a MoE output still moves with its routing weights (a flat router
+        # turns the paths' rounding into a large step there)
+        apart = float(np.abs(np.asarray(scores_c[t], np.float64) - np.asarray(scores_w[t], np.float64)).max())
+        found["router_scores_difference"] = apart
+        what += f", with the same experts chosen and their router scores up to {apart:.3g} apart"
     found["text"] = (f"traced layer by layer, the chunked prefill first leaves the one prefill at layer {i}, "
                      f"{what}: residual difference {first['max']:.3g} > {allowance:.3g} at position {t}, "
                      f"{place}")
