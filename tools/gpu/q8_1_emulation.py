@@ -32,44 +32,7 @@ import sys
 
 import llama_cpp  # noqa: F401  (before numpy, as for a CUDA libllama)
 import numpy as np
-from leadlib import rel_rows
-
-QK = 32
-
-
-def q4_1_blocks(raw: np.ndarray, n_out: int, n_in: int):
-    """(d [out, nb], m [out, nb], q [out, n_in] in 0..15) of a Q4_1 tensor's raw bytes."""
-    nb = n_in // QK
-    blocks = raw.reshape(n_out, nb, 20)
-    d = blocks[:, :, 0:2].copy().view(np.float16)[:, :, 0]
-    m = blocks[:, :, 2:4].copy().view(np.float16)[:, :, 0]
-    qs = blocks[:, :, 4:20]
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n_out, n_in)  # low nibbles 0..15, high 16..31
-    return d, m, q.astype(np.int32)
-
-
-def q8_1(x: np.ndarray):
-    """(d_a [rows, nb] f32, q [rows, n] int, s [rows, nb] f32): the CUDA quantize_q8_1 (d = amax / 127,
-    q = round(x / d), s = the block's sum of the unrounded x)."""
-    rows, n = x.shape
-    xb = x.reshape(rows, n // QK, QK).astype(np.float32)
-    amax = np.abs(xb).max(axis=-1)
-    d = (amax / np.float32(127.0)).astype(np.float32)
-    q = np.where(amax[..., None] > 0, np.round(xb / np.where(d > 0, d, 1)[..., None]), 0).astype(np.int32)
-    return d, q.reshape(rows, n), xb.sum(axis=-1, dtype=np.float32)
-
-
-def product(dw, mw, qw, da, qa, sa, half_products: bool) -> np.ndarray:
-    """[rows, out]: sum over blocks of sumi * (d_w d_a) + m_w s_a, the scale products in f16 or f32."""
-    rows, n = qa.shape
-    out_n, nb = dw.shape
-    sumi = np.einsum("obk,rbk->rob", qw.reshape(out_n, nb, QK), qa.reshape(rows, nb, QK))  # [rows, out, nb] exact ints
-    dd = dw.astype(np.float32)[None] * da.astype(np.float16).astype(np.float32)[:, None]  # f16 d_a, as stored
-    ms = mw.astype(np.float32)[None] * sa.astype(np.float16).astype(np.float32)[:, None]
-    if half_products:
-        dd, ms = dd.astype(np.float16).astype(np.float32), ms.astype(np.float16).astype(np.float32)
-    return (sumi.astype(np.float32) * dd + ms).sum(axis=-1, dtype=np.float64)
-
+from leadlib import emulated_forms, q4_1_blocks, q8_1, rel_rows
 
 def main() -> int:
     ap = argparse.ArgumentParser()
@@ -100,16 +63,13 @@ def main() -> int:
         if source is None or t.tensor_type != gguf.GGMLQuantizationType.Q4_1:
             continue
         n_out, n_in = int(t.shape[1]), int(t.shape[0])
-        dw, mw, qw = q4_1_blocks(np.asarray(t.data, np.uint8).reshape(-1), n_out, n_in)
         x = inputs[source]
         W = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64)
         exact = x @ W.T
-        da, qa, sa = q8_1(x)
-        f32 = product(dw, mw, qw, da, qa, sa, half_products=False)
-        f16 = product(dw, mw, qw, da, qa, sa, half_products=True)
-        # the CPU's q8_1 keeps s = d_a * sum(q_a): the sum of the ROUNDED values (quantize_row_q8_1)
-        sa_cpu = (qa.reshape(qa.shape[0], -1, QK).sum(axis=-1) * da.astype(np.float16).astype(np.float32))
-        cpu = product(dw, mw, qw, da, qa, sa_cpu.astype(np.float32), half_products=False)
+        forms = emulated_forms(t.data, n_out, n_in, x)
+        cpu, f32, f16 = forms["cpu"], forms["cuda_f32_products"], forms["cuda"]
+        dw, _, _ = q4_1_blocks(np.asarray(t.data, np.uint8).reshape(-1), n_out, n_in)
+        da, _, _ = q8_1(x)
         dd = dw.astype(np.float32)[None] * da.astype(np.float16).astype(np.float32)[:, None]
         sub = np.abs(dd) < 6.1e-5
         e32, e16, ecpu = rel_rows(f32, exact), rel_rows(f16, exact), rel_rows(cpu, exact)

@@ -154,8 +154,8 @@ def where_paths_part(engine: Engine, tokens: Sequence[int], chunk_size: int, pos
         return found
     i, t = first["layer"], first["at"]
     ids_w, ids_c = whole.get(("router", i)), chunked.get(("router", i))
+    scores_w, scores_c = _selection_scores(whole, i), _selection_scores(chunked, i)
     if ids_w is not None and ids_c is not None and set(ids_w[t].tolist()) != set(ids_c[t].tolist()):
-        scores_w, scores_c = _selection_scores(whole, i), _selection_scores(chunked, i)
         gap = None if scores_w is None or scores_c is None else float(min(
             selection_gap(scores_w[t:t + 1], ids_w.shape[-1])[0], selection_gap(scores_c[t:t + 1], ids_c.shape[-1])[0]))
         found.update(layer=i, block="routing", position=t, routing_gap=gap)
@@ -193,7 +193,6 @@ def where_paths_part(engine: Engine, tokens: Sequence[int], chunk_size: int, pos
     what = {"attention": "in the attention (it reads the KV cache the earlier chunks wrote)",
             "ffn": "in the FFN / MoE block (the attention output still agrees)",
             "layer": "inside it (the engine exposes no block outputs)"}[block]
-    scores_w, scores_c = _selection_scores(whole, i), _selection_scores(chunked, i)
     if block == "ffn" and ids_w is not None and ids_c is not None and scores_w is not None and scores_c is not None:
         # the same experts: a MoE output still moves with its routing weights (a flat router
         # turns the paths' rounding into a large step there)

@@ -12,7 +12,6 @@ import torch
 from torch import Tensor
 
 from ggufcheck.checks.layers.options import LayerOptions
-from ggufcheck.comparison import Comparison, Worst
 
 
 def rel_errors(got: Tensor, want: Tensor) -> Tensor:
@@ -57,11 +56,12 @@ class MaxError:
         return {"sequence": self.sequence, "position": self.position, "element": self.element,
                 "got": self.got, "want": self.want}
 
-    def comparison(self, limit: float, what: str = "", baseline: float | None = None) -> Comparison:
-        """This maximum as a :class:`Comparison` (relative error, worst element with both sides)."""
-        worst = None if self.sequence is None else Worst((self.sequence, self.position, self.element),
-                                                          self.got, self.want)
-        return Comparison("rel_error", self.value, limit, what, baseline, worst)
+    def text(self) -> str:
+        """'; worst at sequence 0, position 5, element 17: got 1.5, want 1.2' (empty when none)."""
+        if self.sequence is None:
+            return ""
+        return (f"; worst at sequence {self.sequence}, position {self.position}, element {self.element}: "
+                f"got {self.got:.4g}, want {self.want:.4g}")
 
 
 def limit_for(baseline: float, opts: LayerOptions, allowance: float) -> float:

@@ -135,7 +135,7 @@ def run_layers_stage(engine, reference, tokens_list: Sequence[Sequence[int]], ba
                               f"layer {i}: residual error {row['error']:.3g} vs limit {row['limit']:.3g} "
                               f"(baseline {row['baseline']:.3g}); the first layer that diverges"
                               + (f" is {first}, the first that computes wrongly is {i}" if i != first else "")
-                              + _worst_text(errors[i]),
+                              + errors[i].text(),
                               layer=i, stats=row_stats(row), worst=errors[i].worst()))
             report.add(results)
             break
@@ -304,12 +304,3 @@ def run(session: "Session") -> list[StageReport]:
     baseline = session.baseline_model()  # loaded first: the label follows the work
     session.say("comparing every layer with the reference")
     return [run_layers_stage(engine, reference, session.tokens(), baseline_reference=baseline, progress=session.say)]
-
-
-def _worst_text(err: MaxError) -> str:
-    """'; worst at sequence 0, position 5, element 17: got 1.5, want 1.2' (the evidence line)."""
-    cmp = err.comparison(0.0)
-    if cmp.worst is None:
-        return ""
-    seq, pos, elem = cmp.worst.index
-    return f"; worst at sequence {seq}, position {pos}, element {elem}: got {cmp.worst.got:.4g}, want {cmp.worst.want:.4g}"

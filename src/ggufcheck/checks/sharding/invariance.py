@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ggufcheck.comparison import Comparison, max_abs, to_result
+from ggufcheck.comparison import Comparison, exact, max_abs, to_result
 from ggufcheck.reference.config import ReferenceConfig
 from ggufcheck.results import Result, errored, failed, passed, skipped
 from ggufcheck.sharding import collectives
@@ -56,11 +56,10 @@ def compare(cfg: ReferenceConfig, rules: dict[str, ShardRule], job: LayerJob, wa
     what = f"{kind} sharded over {tp} rank(s) vs unsharded"
     by_rank: list[Comparison] = []
     for r, o in enumerate(per_rank):
-        cmp = max_abs(o["out"], ref, tol, what)  # masked scores are -inf on both sides: equal, not a difference
-        if "shape_got" in cmp.extra:
+        if o["out"].shape != ref.shape:
             return [failed(check, COMPONENT, f"rank {r} output shape {tuple(o['out'].shape)} != unsharded "
                                              f"{tuple(ref.shape)}", stats={"tp": tp}, worst={"rank": r}, **where)]
-        by_rank.append(cmp)
+        by_rank.append(max_abs(o["out"], ref, tol, what))  # -inf on both sides (masked scores) is equal
     worst_rank = max(range(len(by_rank)), key=lambda r: by_rank[r].value)
     cmp = by_rank[worst_rank]
     worst: dict[str, Any] = {"rank": worst_rank}
@@ -114,8 +113,6 @@ def _compare_topk(want: torch.Tensor, per_rank: list[dict[str, Any]], tp: int, *
 
 def check_collectives(per_rank: list[dict[str, torch.Tensor]], backend: str) -> list[Result]:
     """One Result per collective (all dtypes and sizes): every rank must hold exactly the answer."""
-    from ggufcheck.comparison import exact
-
     world_size = len(per_rank)
     cases: dict[str, list[str]] = {}
     for key in per_rank[0]:
@@ -127,11 +124,12 @@ def check_collectives(per_rank: list[dict[str, torch.Tensor]], backend: str) -> 
             _, dtype_name, n = key.split("/")
             want = collectives.expected(op, getattr(torch, dtype_name), int(n), world_size)
             for rank, got in enumerate(per_rank):
-                cmp = exact(got[key].double(), want.double(), key)
-                if "shape_got" in cmp.extra:
+                if got[key].shape != want.shape:
                     bad.append({"rank": rank, "case": key,
                                 "problem": f"shape {tuple(got[key].shape)} != {tuple(want.shape)}"})
-                elif not cmp:
+                    continue
+                cmp = exact(got[key].double(), want.double(), key)
+                if not cmp:
                     bad.append({"rank": rank, "case": key, "index": cmp.worst.index[0], "got": cmp.worst.got,
                                 "expected": cmp.worst.want, "n_wrong": int(cmp.value)})
         cases_text = ", ".join(k.split("/", 1)[1].replace("/", " x ") for k in keys)
