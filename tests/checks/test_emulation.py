@@ -59,3 +59,52 @@ def test_llama_cpp_says_where_it_rounds(tiny_gguf):
     for path, kwargs, want in cases:
         with LlamaCppEngine(path, n_ctx=64, n_threads=1, **kwargs) as engine:
             assert dict(engine.capabilities.rounding) == want, (path.name, kwargs)
+
+
+def _q4_1_blocks(raw: np.ndarray, n_out: int, n_in: int):
+    """A Q4_1 matrix's raw bytes read by hand: scale d and offset m (f16) and 32 nibbles a block
+    (low nibbles are values 0..15 of a block, high nibbles 16..31: ggml's block_q4_1)."""
+    blocks = raw.reshape(n_out, n_in // 32, 20)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+    qs = blocks[..., 4:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.float64)  # [out, nb, 32]
+    return d, m, q
+
+
+def test_cuda_block_sums_are_cudas_q8_1_product_computed_from_the_raw_blocks():
+    """precision.unrounded_sums_error against llama.cpp CUDA's q8_1 product written out from a
+    Q4_1 matrix's own bytes (vec_dot_q4_1_q8_1: d_w*d_x*sum(q*r) + m*s, with s the f16 sum of the
+    activations before rounding); the CPU's form (s from the rounded values) is the plain
+    emulation. The two forms are different numbers, and the CUDA one is further from exact."""
+    import gguf.quants
+
+    from ggufcheck.reference.layers import linear
+    from ggufcheck.reference.precision import emulating
+
+    rng = np.random.default_rng(0)
+    n_out, n_in, rows = 24, 256, 5
+    w = rng.normal(0, 0.05, (n_out, n_in)).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)
+    d_w, m_w, q_w = _q4_1_blocks(raw, n_out, n_in)
+    weight = torch.from_numpy(d_w[..., None] * q_w + m_w[..., None]).reshape(n_out, n_in)
+    x = torch.from_numpy(rng.normal(0.1, 1.0, (rows, n_in)))
+
+    xb = x.numpy().reshape(rows, n_in // 32, 32)
+    amax = np.abs(xb).max(-1)
+    r = np.round(xb / (amax / 127.0)[..., None])
+    d_x = (amax / 127.0).astype(np.float16).astype(np.float64)
+    s = xb.sum(-1).astype(np.float16).astype(np.float64)
+    cuda = (np.einsum("onk,tnk->ton", q_w, r) * d_w[None] * d_x[:, None] + m_w[None] * s[:, None]).sum(-1)
+    cpu = (np.einsum("onk,tnk->ton", q_w, r) * d_w[None] * d_x[:, None]
+           + m_w[None] * (d_x * r.sum(-1))[:, None]).sum(-1)
+    exact = x.numpy() @ weight.numpy().T
+
+    with emulating(Emulation(activations="q8_0", block_sums="unrounded")):
+        got_cuda = linear(x, weight).numpy()
+    with emulating(Emulation(activations="q8_0")):
+        got_cpu = linear(x, weight).numpy()
+    np.testing.assert_allclose(got_cuda, cuda, rtol=0, atol=1e-9 * np.abs(cuda).max())
+    np.testing.assert_allclose(got_cpu, cpu, rtol=0, atol=1e-9 * np.abs(cpu).max())
+    err = lambda y: float(np.linalg.norm(y - exact) / np.linalg.norm(exact))  # noqa: E731
+    assert err(got_cuda) > 1.5 * err(got_cpu), (err(got_cuda), err(got_cpu))

@@ -198,3 +198,43 @@ def test_one_position_just_past_the_max_limit_passes_a_gross_one_or_an_onset_fai
     assert gross.status is Status.FAIL
     onset = pair({r: max_limit * 1.05 for r in range(186, 200)})  # the mean stays under its limit
     assert onset.status is Status.FAIL and "first_divergence" in onset.stats
+
+
+def test_two_paths_that_each_agree_with_the_reference_pass_and_a_wrong_one_is_named():
+    """Two paths with independent roundings, each at ~60% of the mean limit from the reference,
+    are ~1.2x the limit from each other: judged against the reference, the pair passes and
+    says why. Make one path twice as noisy and that one is named as over the reference."""
+    from ggufcheck.checks.logits import LogitTolerance, collect
+    from ggufcheck.checks.paths import _each_within_reference, _judge_pairs
+
+    rng = np.random.default_rng(0)
+    tol, vocab, rows = LogitTolerance(), 64, 200
+    ref = log_softmax(rng.normal(0, 2.0, (rows, vocab)))
+    tokens = [i % vocab for i in range(rows)]
+    table = lambda lp: TokenLogprobs(tokens, vocab, lp.astype(np.float32))  # noqa: E731
+    limit = tol.multiple * Q8.kl_mean + tol.kl_floor
+
+    def noisy(seed: int, target: float) -> np.ndarray:  # logits noise scaled to a mean KL target
+        noise = np.random.default_rng(seed).normal(0, 1.0, ref.shape)
+        lo, hi = 0.0, 1.0
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            kl = collect([(table(ref), table(log_softmax(ref + mid * noise)))]).kl.mean()
+            lo, hi = (mid, hi) if kl < target else (lo, mid)
+        return log_softmax(ref + lo * noise)
+
+    a, b = noisy(1, 0.6 * limit), noisy(2, 0.6 * limit)
+    score = lambda toks: table(ref)  # noqa: E731
+    pair = [(table(a), table(b))]
+    apart = _judge_pairs("paths.x", "prefill", "one prefill vs chunks", pair, Q8, tol, None)
+    assert apart.failed and apart.stats["kl"]["mean"] > limit  # their errors add
+    both = _each_within_reference(apart, pair, score, Q8, tol, ("one prefill", "the chunks"))
+    assert both.status is Status.PASS and "each agrees with the reference" in both.message
+    assert both.stats["against_reference"]["the chunks"]["mean_kl"] < limit
+    assert _each_within_reference(apart, pair, None, Q8, tol, ("a", "b")) is apart  # no reference: unchanged
+
+    worse = [(table(a), table(noisy(2, 2.0 * limit)))]
+    wrong = _each_within_reference(_judge_pairs("paths.x", "prefill", "x", worse, Q8, tol, None), worse, score,
+                                   Q8, tol, ("one prefill", "the chunks"))
+    assert wrong.failed and "the chunks over it" in wrong.message
+    assert wrong.stats["against_reference"]["one prefill"]["ok"] and not wrong.stats["against_reference"]["the chunks"]["ok"]

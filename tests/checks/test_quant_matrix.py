@@ -33,7 +33,34 @@ def test_llama_cpp_passes_every_quick_type_with_a_tight_allowance(tmp_path):
         # a real comparison happened, under a limit that a wrong kernel would exceed
         assert 0 < stats["prefill_kl"] < stats["prefill_limit"] <= 0.02, (qtype, stats)
         assert stats["decode_kl"] < stats["prefill_limit"] and stats["argmax"] >= 0.95
+        # and it rounds as its class says: llama.cpp's CPU kernels against the reference's
+        # emulation of 8-bit activations, two implementations of the same rounding
+        assert 0.5 < stats["prefill_kl"] / stats["emulation_kl"] < 2.0, (qtype, stats)
+        assert "rounding_excess" not in stats, (qtype, stats)
     assert set(doc["checks_per_type"]) == set(rows)
+
+
+@pytest.mark.llama
+def test_cudas_q8_1_block_sums_are_named_and_the_cpus_are_not(tmp_path, capsys):
+    """The H100 / H200 case (docs/real-world-cases.md): llama.cpp's CUDA Q4_1 / Q5_1 products
+    keep the block sums of the activations before rounding. An engine computing that form
+    passes the class allowance, as the GPUs did, and the matrix names the types it rounds more
+    on; llama.cpp's own CPU kernels on the same models are not named."""
+    emulated, cpu = tmp_path / "cuda.json", tmp_path / "cpu.json"
+    assert main(["quants", "--engine", "python:ggufcheck.testing.faults:cuda_q8_1_sums_engine",
+                 "--types", "Q4_0,Q4_1,Q5_1", "--json", str(emulated)]) == 0
+    out = capsys.readouterr().out
+    rows, _ = _rows(emulated)
+    assert all(r["status"] == "PASS" for r in rows.values())
+    assert "rounding_excess" not in rows["Q4_0"]["stats"]
+    for qtype in ("Q4_1", "Q5_1"):
+        excess = rows[qtype]["stats"]["rounding_excess"]
+        assert excess["prefill"] > 3 and excess["decode"] > 3, (qtype, excess)
+        assert "rounds more than its class explains" in rows[qtype]["message"]
+    assert "Q4_1: rounds more" in out and "Q4_0: rounds more" not in out
+    assert main(["quants", "--engine", "llama-cpp", "--types", "Q4_1,Q5_1", "--json", str(cpu)]) == 0
+    for qtype, row in _rows(cpu)[0].items():
+        assert "rounding_excess" not in row["stats"], (qtype, row["stats"])
 
 
 @pytest.mark.slow

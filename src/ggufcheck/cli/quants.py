@@ -64,6 +64,13 @@ def _fmt(value: float | None, spec: str = ".2g") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _times(ratio: float | None, over: bool) -> str:
+    if ratio is None:
+        return ""
+    text = f" ({ratio:.1f}x)"
+    return f"[yellow]{text}[/yellow]" if over else text
+
+
 def run(args: argparse.Namespace) -> int:
     from ggufcheck.checks.quant_matrix import MatrixOptions, run_matrix
 
@@ -86,14 +93,29 @@ def run(args: argparse.Namespace) -> int:
 
     rows = run_matrix(options, say=lambda m: console.print(f"[dim]{m}[/dim]"), on_row=show)
     table = Table(title=f"kernel matrix: {args.engine} vs the fp64 reference", title_justify="left")
-    for column in ("type", "status", "prefill KL", "limit", "argmax", "decode KL", "prefill vs decode KL",
-                   "failed path"):  # the type column never shrinks: it is what the row is about
+    for column in ("type", "status", "prefill KL (x emulated)", "limit", "argmax", "decode KL (x emulated)",
+                   "prefill vs decode KL", "failed path"):  # the type column never shrinks: it is what the row is about
         table.add_column(column, no_wrap=column in ("type", "status"), min_width=7 if column == "type" else None)
     for row in rows:
-        table.add_row(row.qtype, status_text(row.status), _fmt(row.prefill_kl), _fmt(row.prefill_limit),
-                      _fmt(row.argmax, ".3f"), _fmt(row.decode_kl), _fmt(row.prefill_vs_decode_kl),
+        excess = row.rounding_excess()
+        table.add_row(row.qtype, status_text(row.status),
+                      _fmt(row.prefill_kl) + _times(row.times_emulated("prefill"), "prefill" in excess),
+                      _fmt(row.prefill_limit), _fmt(row.argmax, ".3f"),
+                      _fmt(row.decode_kl) + _times(row.times_emulated("decode"), "decode" in excess),
+                      _fmt(row.prefill_vs_decode_kl),
                       ", ".join(row.failed_paths) if row.status != Status.ERROR else row.message[:80])
     console.print(table)
+    noted = [row for row in rows if row.status == Status.PASS and row.rounding_excess()]
+    if noted:
+        console.print("[yellow]rounding more than the class explains[/yellow] (within its allowance, so not a "
+                      "failure; a kernel that computes these types less precisely than the engine's own "
+                      "class):")
+        for row in noted:
+            console.print(f"  {row.qtype}: {row.rounding_note()}")
+    if any(row.emulation_kl for row in rows):
+        console.print("[dim]x emulated: the KL over that of the reference emulating the engine's stated "
+                      "rounding (8-bit activation blocks, f16 KV cache) on the same model; a correct kernel "
+                      "lands near 1x[/dim]")
     elapsed = time.perf_counter() - started
     counts = {s: sum(r.status == s for r in rows) for s in Status}
     console.print(f"PASS {counts[Status.PASS]}  FAIL {counts[Status.FAIL]}  ERROR {counts[Status.ERROR]}  "

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ggufcheck.reference.config import ReferenceConfig, YarnConfig
 from ggufcheck.reference.precision import current as current_emulation
-from ggufcheck.reference.precision import gelu_tanh, round_as
+from ggufcheck.reference.precision import gelu_tanh, round_as, unrounded_sums_error
 
 # --- norms ---------------------------------------------------------------------------
 
@@ -134,7 +134,12 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     emulation = current_emulation()
     if emulation is None:
         return torch.nn.functional.linear(x, weight, bias)
-    y = torch.nn.functional.linear(round_as(x, emulation.activations), weight, bias)
+    rounded = round_as(x, emulation.activations)
+    y = torch.nn.functional.linear(rounded, weight, bias)
+    if emulation.block_sums == "unrounded":
+        error = unrounded_sums_error(x, rounded, weight)
+        if error is not None:
+            y = y - error
     return round_as(y, emulation.outputs)
 
 

@@ -12,7 +12,12 @@ being judged, and its error against fp64 becomes that run's expected error:
   K-quants), and keeps its KV cache in f16 (its default type_k / type_v);
 - ``bf16`` / ``fp16``: every matmul's input and output, and the KV cache, in that type;
 - ``gelu`` ``f16``: ggml's CPU GELU is a table over f16 inputs with f16 values
-  (``GGML_GELU_FP16`` in ggml-cpu/vec.h), whatever the weights: gemma's GeGLU rounds there.
+  (``GGML_GELU_FP16`` in ggml-cpu/vec.h), whatever the weights: gemma's GeGLU rounds there;
+- ``block_sums`` ``unrounded``: llama.cpp's CUDA q8_1 form for weights with a per-block
+  offset (Q4_1 / Q5_1: ``w = d*q + m``). Its quantizers (``quantize_q8_1``,
+  ``quantize_mmq_q8_1``) keep each 32-block's sum of the activations BEFORE rounding (in f16),
+  where the CPU's keep the sum of the rounded ones; the offset term ``m * sum`` then no longer
+  cancels the rounding's common mode, ~5x the CPU's KL on these types (docs/real-world-cases.md).
 
 It is an emulation of the rounding's size, not of the engine's exact arithmetic, so the
 diagnosis only ever widens a stated allowance with it (checks.compare.combined_baseline),
@@ -43,12 +48,16 @@ class Emulation:
     outputs: str | None = None  # a matmul's result
     kv: str | None = None  # what the KV cache stores
     gelu: str | None = None  # the GELU's input and value ("f16": ggml's CPU table)
+    # "unrounded": a min-offset weight's offset multiplies the block sum of the activations
+    # before rounding (llama.cpp CUDA's q8_1 form; valid where every matmul weight is Q4_1 / Q5_1)
+    block_sums: str | None = None
 
     def describe(self) -> str:
         parts = [f"{what} {kind}" for what, kind in (("activations", self.activations),
                                                        ("matmul outputs", self.outputs),
                                                        ("KV cache", self.kv),
-                                                       ("GELU", self.gelu)) if kind]
+                                                       ("GELU", self.gelu),
+                                                       ("block sums", self.block_sums)) if kind]
         return ", ".join(parts) or "nothing"
 
 
@@ -70,6 +79,23 @@ def round_as(x: Tensor, kind: str | None) -> Tensor:
     if kind == "q8_0":  # ggml keeps the Q8_0 scale in f16
         safe = safe.to(torch.float16).to(x.dtype)
     return (q * safe).reshape(x.shape)
+
+
+def unrounded_sums_error(x: Tensor, rounded: Tensor, weight: Tensor, block: int = 32) -> Tensor | None:
+    """What llama.cpp's CUDA q8_1 form takes from ``linear(rounded, weight)`` for a min-offset
+    weight [out, in]: each 32-block's offset ``m`` (the block's smallest dequantized value: ggml's
+    and gguf-py's Q4_1 / Q5_1 quantizers give the minimum the quant 0) times the difference of
+    the rounded activations' block sum and the kept one (the unrounded sum, stored in f16).
+    CUDA computes ``sum((w - m) * rounded) + m * f16(sum(x))`` per block; the CPU's form
+    ``sum(w * rounded)`` is ``linear(rounded, weight)``. None for a ragged row."""
+    n = x.shape[-1]
+    if n % block or weight.shape[-1] != n:
+        return None
+    nb = n // block
+    rounded_sum = rounded.reshape(*rounded.shape[:-1], nb, block).sum(-1)  # [.., nb]
+    kept_sum = x.reshape(*x.shape[:-1], nb, block).sum(-1).to(torch.float16).to(x.dtype)  # [.., nb]
+    offsets = weight.reshape(weight.shape[0], nb, block).amin(-1).to(x.dtype)  # [out, nb]
+    return (rounded_sum - kept_sum) @ offsets.T  # [.., out]
 
 
 def gelu_tanh(x: Tensor) -> Tensor:
