@@ -31,7 +31,7 @@ def _container(*entries: bytes) -> bytes:
 def _elf(sections: dict[str, bytes]) -> bytes:
     """A minimal ELF64 LE with the given sections (plus the null and .shstrtab sections)."""
     names = b"\0" + b"".join(n.encode() + b"\0" for n in [*sections, ".shstrtab"])
-    blobs, name_off, offsets, data = [], 1, [], bytearray(64)
+    name_off, offsets, data = 1, [], bytearray(64)
     for name, blob in [*sections.items(), (".shstrtab", names)]:
         offsets.append((name_off, len(data), len(blob)))
         name_off += len(name) + 1
