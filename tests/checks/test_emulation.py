@@ -88,6 +88,7 @@ def test_cuda_block_sums_are_cudas_q8_1_product_computed_from_the_raw_blocks():
     raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)
     d_w, m_w, q_w = _q4_1_blocks(raw, n_out, n_in)
     weight = torch.from_numpy(d_w[..., None] * q_w + m_w[..., None]).reshape(n_out, n_in)
+    weight.ggml_type = "Q4_1"  # as the reference's WeightStore tags what it dequantized
     x = torch.from_numpy(rng.normal(0.1, 1.0, (rows, n_in)))
 
     xb = x.numpy().reshape(rows, n_in // 32, 32)
@@ -107,4 +108,7 @@ def test_cuda_block_sums_are_cudas_q8_1_product_computed_from_the_raw_blocks():
     np.testing.assert_allclose(got_cuda, cuda, rtol=0, atol=1e-9 * np.abs(cuda).max())
     np.testing.assert_allclose(got_cpu, cpu, rtol=0, atol=1e-9 * np.abs(cpu).max())
     err = lambda y: float(np.linalg.norm(y - exact) / np.linalg.norm(exact))  # noqa: E731
+    weight.ggml_type = "Q8_0"  # a type without an offset (and so the tied Q8_0 head): the CPU's form
+    with emulating(Emulation(activations="q8_0", block_sums="unrounded")):
+        np.testing.assert_array_equal(linear(x, weight).numpy(), got_cpu)
     assert err(got_cuda) > 1.5 * err(got_cpu), (err(got_cuda), err(got_cpu))

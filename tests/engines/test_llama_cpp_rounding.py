@@ -29,6 +29,52 @@ def test_activation_rounding_per_backend(tiny_gguf, qtype, cpu, cuda):
     assert gpu_rounding(path, F16_CACHE) == {"activations": cuda, "kv": "f16"}
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_1"])
+def test_offset_types_take_cudas_unrounded_block_sums_on_the_gpu_only(tiny_gguf, qtype):
+    """docs/real-world-cases.md case 4: CUDA's q8_1 keeps the activations' block sums before
+    rounding, which a Q4_1 / Q5_1 weight's offset multiplies; the CPU's sums are of the rounded
+    values (the plain emulation)."""
+    from ggufcheck.checks.quant_matrix import MATRIX_DIMS
+
+    path = tiny_gguf("llama", qtypes=qtype, **MATRIX_DIMS).path
+    assert rounding(path, F16_CACHE) == {"activations": "q8_0", "kv": "f16"}
+    assert gpu_rounding(path, F16_CACHE) == {"activations": "q8_0", "kv": "f16", "block_sums": "unrounded"}
+
+
+def test_gpu_rounding_never_imports_torch(tiny_gguf):
+    """It runs inside the CUDA engine's own process, where torch must never be loaded (a CUDA
+    libllama dies at model load next to it: docs/real-world-cases.md, engines/isolated.py);
+    a first version imported reference.precision and every GPU engine died at start."""
+    import subprocess
+    import sys
+
+    from ggufcheck.engines.llama_cpp import CUDA_SUM_TYPES
+    from ggufcheck.reference.precision import OFFSET_TYPES
+
+    assert CUDA_SUM_TYPES == OFFSET_TYPES
+    path = tiny_gguf("llama", qtypes="Q4_1", n_embd=256, head_dim=64, n_ff=512).path
+    code = ("import sys, types; from ggufcheck.engines.llama_cpp import gpu_rounding; "
+            f"print(gpu_rounding({str(path)!r}, types.SimpleNamespace(type_k=1, type_v=1))); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "block_sums" in done.stdout
+
+
+def test_the_reference_knows_each_weights_stored_type(tiny_gguf):
+    """The block sums apply per weight (SmolLM2's tied head is Q8_0 among Q4_1 layers): the
+    reference's weight store tags what it dequantized with the file's type."""
+    from ggufcheck.reference.model import ReferenceModel
+
+    built = tiny_gguf("llama", qtypes={"attn_q": "Q4_1", "default": "Q8_0"}, n_embd=256, head_dim=64, n_ff=512)
+    model = ReferenceModel(built.path, dtype="fp32")
+    layer = model.weights.layer(0)
+    assert layer["attn_q.weight"].ggml_type == "Q4_1" and layer["ffn_up.weight"].ggml_type == "Q8_0"
+    (_, head), = model.weights.head_chunks(1 << 20)
+    assert head.ggml_type == model.gguf.tensors["output.weight" if model.weights.has("output.weight")
+                                                else "token_embd.weight"].qtype.name
+
+
 def test_f16_weights_round_matmul_outputs_on_cuda_only(tiny_gguf):
     path = tiny_gguf("llama", qtypes="F16").path
     assert rounding(path, F16_CACHE) == {"activations": "f16", "kv": "f16"}

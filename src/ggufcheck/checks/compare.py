@@ -134,9 +134,21 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
                             indexer_top_k=options.indexer_top_k, long_decode_to=options.long_decode_to)
         path_baseline = combined_baseline(None, engine.capabilities.activation_dtype)
         ambiguity = (lambda seq: reference_score(seq).ambiguous) if reference is not None else None
+
+        def baseline_on(sequences) -> Baseline:  # the logits stage's baseline, on a failing pair's sequences
+            judged = coarsest(engine.capabilities.activation_dtype, reference.capabilities.activation_dtype)
+            if baseline_engine is None:
+                return combined_baseline(None, judged)
+            refs = [reference_score(s) for s in sequences]
+            say(f"scoring {len(refs)} sequences on {baseline_engine.name} (baseline of a failing path pair)")
+            measured = baseline_from(collect([(r, baseline_engine.score(list(r.tokens))) for r in refs]),
+                                     f"measured {_short(baseline_engine)} vs {_short(reference)}")
+            return combined_baseline(measured, judged)
+
         results, generations = run_paths(engine, seqs, tables, popts, baseline=path_baseline, long_prompt=long_prompt,
                                          ambiguity=ambiguity,
                                          reference_score=reference_score if reference is not None else None,
+                                         reference_baseline=baseline_on if reference is not None else None,
                                          progress=say)
         paths_stage.add(results)
         paths_stage.info["baseline"] = path_baseline.source

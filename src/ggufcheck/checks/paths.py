@@ -52,6 +52,9 @@ Ambiguity = Callable[[Sequence[int]], "np.ndarray | None"]
 # the reference's log-probs of a sequence (checks.compare scores each once): which of two
 # paths is the wrong one
 ReferenceScore = Callable[[Sequence[int]], TokenLogprobs]
+# the logits stage's baseline measured on given sequences (the reference emulating the
+# engine's rounding there): a failing pair's paths are each judged against the reference with it
+ReferenceBaseline = Callable[[Sequence[Sequence[int]]], Baseline]
 
 
 def mark_ambiguous(table: TokenLogprobs, ambiguity: Ambiguity | None, *, onward_from: int | None = None) -> TokenLogprobs:
@@ -157,13 +160,17 @@ GROSS_FACTOR = 10.0
 
 def _each_within_reference(result: Result, pairs: Sequence[tuple[TokenLogprobs, TokenLogprobs]],
                            reference_score: ReferenceScore | None, baseline: Baseline, tol: LogitTolerance,
-                           names: tuple[str, str]) -> Result:
-    """A failing pair judged path by path against the reference, with the pair's own limits
-    (and the first path's marks of ambiguous rows): passes when both paths agree with it
-    (two roundings that add), else stays failed with each path's distance to it."""
+                           names: tuple[str, str], reference_baseline: ReferenceBaseline | None = None) -> Result:
+    """A failing pair judged path by path against the reference (with the first path's marks of
+    ambiguous rows), under the logits stage's limits: its baseline measured on these very
+    sequences where ``reference_baseline`` is given, else the pair's own. Passes when both
+    paths agree with the reference (two roundings that add), else stays failed with each
+    path's distance to it."""
     if not result.failed or reference_score is None:
         return result
     refs = [replace(reference_score(a.tokens), ambiguous=a.ambiguous) for a, _ in pairs]
+    if reference_baseline is not None:
+        baseline = reference_baseline([a.tokens for a, _ in pairs])
     judged = [_judge_pairs(result.check, result.component, name, list(zip(refs, path)), baseline, tol, None)
               for name, path in zip(names, ([a for a, _ in pairs], [b for _, b in pairs]))]
     means = [j.stats.get("kl", {}).get("mean") for j in judged]
@@ -234,7 +241,8 @@ def first_divergence(m, limit: float, landmarks: dict[str, int] | None = None, w
 
 def check_prefill_vs_decode(engine: Engine, prompts: Sequence[Sequence[int]], baseline: Baseline,
                             options: PathOptions, ambiguity: Ambiguity | None = None,
-                            reference_score: ReferenceScore | None = None) -> tuple[Result, list[Generation]]:
+                            reference_score: ReferenceScore | None = None,
+                            reference_baseline: ReferenceBaseline | None = None) -> tuple[Result, list[Generation]]:
     caps = engine.capabilities
     if not caps.generate:
         return skipped("paths.prefill_vs_decode", "decode", caps.why_not("generate")), []
@@ -261,7 +269,7 @@ def check_prefill_vs_decode(engine: Engine, prompts: Sequence[Sequence[int]], ba
                            f"teacher-forced prefill vs step-by-step decode ({steps} steps)", pairs, baseline,
                            options.tolerance, landmarks(options))
     result = _each_within_reference(result, pairs, reference_score, baseline, options.tolerance,
-                                    ("the prefill", "the decode"))
+                                    ("the prefill", "the decode"), reference_baseline)
     return result.amended(note), generations
 
 
@@ -301,7 +309,8 @@ def check_determinism(engine: Engine, prompt: Sequence[int], first: TokenLogprob
 
 def check_chunked_prefill(engine: Engine, prompts: Sequence[Sequence[int]], singles: Sequence[TokenLogprobs],
                           baseline: Baseline, options: PathOptions, ambiguity: Ambiguity | None = None,
-                          reference_score: ReferenceScore | None = None) -> list[Result]:
+                          reference_score: ReferenceScore | None = None,
+                          reference_baseline: ReferenceBaseline | None = None) -> list[Result]:
     """One prefill vs chunks of each size; a failing size is looked into
     (checks.path_layers): which path the reference agrees with, and the layer where they part."""
     caps = engine.capabilities
@@ -331,7 +340,7 @@ def check_chunked_prefill(engine: Engine, prompts: Sequence[Sequence[int]], sing
             if result.failed:
                 result, taken = _past_routing_ties(engine, used, pairs, size, result, what, baseline, options, marks)
             result = _each_within_reference(result, pairs, reference_score, baseline, options.tolerance,
-                                            ("one prefill", "the chunks"))
+                                            ("one prefill", "the chunks"), reference_baseline)
             if result.failed:
                 from ggufcheck.checks.path_layers import localize_chunked
 
@@ -381,7 +390,8 @@ def _past_routing_ties(engine: Engine, prompts, pairs, size: int, result: Result
 
 def check_past_indexer_top_k(engine: Engine, long_prompt: Sequence[int] | None, baseline: Baseline,
                              options: PathOptions, ambiguity: Ambiguity | None = None,
-                             reference_score: ReferenceScore | None = None) -> Result:
+                             reference_score: ReferenceScore | None = None,
+                             reference_baseline: ReferenceBaseline | None = None) -> Result:
     """DSA models: decode past the indexer's top_k must still match the teacher-forced prefill."""
     if options.indexer_top_k is None:
         return skipped("paths.past_indexer_top_k", "indexer", "the model has no sparse-attention indexer")
@@ -391,7 +401,8 @@ def check_past_indexer_top_k(engine: Engine, long_prompt: Sequence[int] | None, 
     result, _ = check_prefill_vs_decode(engine, [long_prompt], baseline,
                                         PathOptions(max_new_tokens=options.max_new_tokens, decode_prompts=1,
                                                     tolerance=options.tolerance, top_k=options.top_k,
-                                                    long_decode_to=0), ambiguity, reference_score)
+                                                    long_decode_to=0), ambiguity, reference_score,
+                                        reference_baseline)
     return result.amended(check="paths.past_indexer_top_k", component="indexer")
 
 
@@ -399,10 +410,13 @@ def run_paths(engine: Engine, prompts: Sequence[Sequence[int]], singles: Sequenc
               options: PathOptions = PathOptions(), *, baseline: Baseline | None = None,
               long_prompt: Sequence[int] | None = None, ambiguity: Ambiguity | None = None,
               reference_score: ReferenceScore | None = None,
+              reference_baseline: ReferenceBaseline | None = None,
               progress: Callable[[str], None] | None = None) -> tuple[list[Result], list[Generation]]:
     """All path checks. ``singles`` are the engine's own teacher-forced tables of ``prompts``;
     ``ambiguity`` gives the reference's ambiguous rows of a sequence (left out of every pair);
-    ``reference_score`` its log-probs (a failing chunked pair: which path is wrong).
+    ``reference_score`` its log-probs (a failing pair: is each path within the reference's
+    limits, and which one is wrong), ``reference_baseline`` the logits stage's baseline on
+    given sequences (those limits).
 
     A check whose engine call raises :class:`Unsupported` (a sequence beyond n_ctx, a chunk
     size the engine refuses) is SKIPPED with that reason.
@@ -425,7 +439,7 @@ def run_paths(engine: Engine, prompts: Sequence[Sequence[int]], singles: Sequenc
 
     decode = attempt("paths.prefill_vs_decode", "decode",
                      lambda: check_prefill_vs_decode(engine, prompts, baseline, options, ambiguity,
-                                                     reference_score))
+                                                     reference_score, reference_baseline))
     if isinstance(decode, tuple):
         decode, generations = decode
     results.append(decode)
@@ -436,9 +450,9 @@ def run_paths(engine: Engine, prompts: Sequence[Sequence[int]], singles: Sequenc
                                                      generations[0] if generations else None, baseline, options)))
     chunked = attempt("paths.chunked_prefill", "prefill",
                       lambda: check_chunked_prefill(engine, prompts, singles, baseline, options, ambiguity,
-                                                    reference_score))
+                                                    reference_score, reference_baseline))
     results.extend(chunked if isinstance(chunked, list) else [chunked])
     results.append(attempt("paths.past_indexer_top_k", "indexer",
                            lambda: check_past_indexer_top_k(engine, long_prompt, baseline, options, ambiguity,
-                                                            reference_score)))
+                                                            reference_score, reference_baseline)))
     return results, generations

@@ -18,11 +18,13 @@ type on llama.cpp, activations in 8-bit blocks). Only the weight type changes fr
 row, so a row that fails where the others pass points at that type's kernels.
 
 Each row also says how its error compares with that emulation alone (``x emulated``): a
-correct kernel that rounds as the engine's class says lands near 1x. The class allowance
+correct kernel that rounds where the engine says it does lands near 1x. The class allowance
 (KL 0.005 for 8-bit activations) is far wider than the emulation on these tiny models, so a
-type whose kernels round several times more than their class explains passes the verdict
-and is named in a note instead (measured: llama.cpp's CUDA Q4_1 / Q5_1 products at ~5x,
-from the q8_1 block sums, docs/real-world-cases.md; every CPU row near 1x). Model sizes are
+type whose kernels round several times more than the stated rounding explains passes the
+verdict and is named in a note instead. Measured (docs/real-world-cases.md case 4): llama.cpp's
+CUDA Q4_1 / Q5_1 at ~5x while the engine stated the CPU's rounding, 1.0-1.3x once it stated
+CUDA's q8_1 block sums; Q4_0 / Q5_0 in decode and Q2_K in prefill still named on the H100;
+every CPU row near 1x. Model sizes are
 multiples of 256, so every type (K-quants and IQ types have 256-value blocks) fits each
 matrix without falling back.
 """

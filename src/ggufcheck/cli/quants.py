@@ -113,9 +113,9 @@ def run(args: argparse.Namespace) -> int:
         for row in noted:
             console.print(f"  {row.qtype}: {row.rounding_note()}")
     if any(row.emulation_kl for row in rows):
-        console.print("[dim]x emulated: the KL over that of the reference emulating the engine's stated "
-                      "rounding (8-bit activation blocks, f16 KV cache) on the same model; a correct kernel "
-                      "lands near 1x[/dim]")
+        console.print("[dim]x emulated: the KL over that of the reference rounding where the engine says it "
+                      "does (llama.cpp: 8-bit activation blocks, CUDA's block sums, f16 KV cache) on the same "
+                      "model, prefill; a correct kernel lands near 1x[/dim]")
     elapsed = time.perf_counter() - started
     counts = {s: sum(r.status == s for r in rows) for s in Status}
     console.print(f"PASS {counts[Status.PASS]}  FAIL {counts[Status.FAIL]}  ERROR {counts[Status.ERROR]}  "

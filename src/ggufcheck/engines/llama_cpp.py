@@ -144,8 +144,15 @@ VEC_DOT_Q8_0 = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q8_1", "IQ4_N
 
 def gpu_rounding(model_path: str | Path, params: Any) -> dict[str, str]:
     """Where llama.cpp's CUDA backend rounds: the activations of quantized matmuls to Q8_1
-    (blocks of 32, emulated as Q8_0) for every quant type, F16 / BF16 weights' matmuls in
-    f16 / bf16 (cuBLAS), the KV cache as on CPU."""
+    (blocks of 32, emulated as Q8_0) for every quant type, with the block sums of the
+    activations before rounding where a Q4_1 / Q5_1 weight's offset multiplies them
+    (``block_sums``; docs/real-world-cases.md case 4: ~5x the CPU's KL on those types); F16 /
+    BF16 weights' matmuls in f16 / bf16 (cuBLAS); the KV cache as on CPU. (Q4_0 / Q5_0 read the
+    sums too, in the matrix-vector kernels only: decode, which the prefill's baseline does not
+    emulate.)"""
+    from ggufcheck.gguf.reader import open_gguf  # not reference.precision: it imports torch, which a
+    # CUDA libllama must never meet in its process (engines/isolated.py)
+
     out = rounding(model_path, params)
     out.pop("gelu", None)  # CUDA's GELU computes in f32
     act = out.get("activations")
@@ -153,7 +160,15 @@ def gpu_rounding(model_path: str | Path, params: Any) -> dict[str, str]:
         out["activations"] = "q8_0"
     elif act in ("f16", "bf16"):
         out["outputs"] = act
+    with open_gguf(model_path) as model:
+        if any(t.qtype.name in CUDA_SUM_TYPES for t in model.tensors.values() if len(t.ne) >= 2):
+            out["block_sums"] = "unrounded"
     return out
+
+
+# the weight types whose offset multiplies CUDA's q8_1 block sums on every path
+# (reference.precision.OFFSET_TYPES, which this module cannot import: torch)
+CUDA_SUM_TYPES = frozenset({"Q4_1", "Q5_1"})
 
 
 GGML_TYPE_CLASS = {0: "fp32", 1: "fp16", 30: "bf16"}  # KV cache types; any other (Q8_0, Q4_0, ...) is q8

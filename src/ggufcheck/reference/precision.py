@@ -37,6 +37,9 @@ from torch import Tensor
 # weight types by ggml name: the K-quants' matmuls take Q8_K (256-value blocks) activations
 K_QUANTS = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"})
 UNQUANTIZED = frozenset({"F32", "F16", "BF16", "F64"})
+# the types whose blocks carry an offset next to the scale (w = d*q + m): where block sums of
+# the activations enter a product (block_sums)
+OFFSET_TYPES = frozenset({"Q4_1", "Q5_1"})
 
 
 @dataclass(frozen=True)
@@ -48,8 +51,8 @@ class Emulation:
     outputs: str | None = None  # a matmul's result
     kv: str | None = None  # what the KV cache stores
     gelu: str | None = None  # the GELU's input and value ("f16": ggml's CPU table)
-    # "unrounded": a min-offset weight's offset multiplies the block sum of the activations
-    # before rounding (llama.cpp CUDA's q8_1 form; valid where every matmul weight is Q4_1 / Q5_1)
+    # "unrounded": a Q4_1 / Q5_1 weight's offset multiplies the block sum of the activations
+    # before rounding (llama.cpp CUDA's q8_1 form); other weights are unchanged
     block_sums: str | None = None
 
     def describe(self) -> str:
@@ -82,14 +85,16 @@ def round_as(x: Tensor, kind: str | None) -> Tensor:
 
 
 def unrounded_sums_error(x: Tensor, rounded: Tensor, weight: Tensor, block: int = 32) -> Tensor | None:
-    """What llama.cpp's CUDA q8_1 form takes from ``linear(rounded, weight)`` for a min-offset
+    """What llama.cpp's CUDA q8_1 form takes from ``linear(rounded, weight)`` for a Q4_1 / Q5_1
     weight [out, in]: each 32-block's offset ``m`` (the block's smallest dequantized value: ggml's
     and gguf-py's Q4_1 / Q5_1 quantizers give the minimum the quant 0) times the difference of
     the rounded activations' block sum and the kept one (the unrounded sum, stored in f16).
     CUDA computes ``sum((w - m) * rounded) + m * f16(sum(x))`` per block; the CPU's form
-    ``sum(w * rounded)`` is ``linear(rounded, weight)``. None for a ragged row."""
+    ``sum(w * rounded)`` is ``linear(rounded, weight)``. None for a ragged row, and for a weight
+    of another type (``weight.ggml_type``, set by the reference's WeightStore; a weight without
+    it, e.g. one a family rebuilt, is treated as Q4_1 / Q5_1 only when tagged so)."""
     n = x.shape[-1]
-    if n % block or weight.shape[-1] != n:
+    if n % block or weight.shape[-1] != n or getattr(weight, "ggml_type", None) not in OFFSET_TYPES:
         return None
     nb = n // block
     rounded_sum = rounded.reshape(*rounded.shape[:-1], nb, block).sum(-1)  # [.., nb]

@@ -48,7 +48,11 @@ class WeightStore:
         with warnings.catch_warnings():  # F32 data comes back as a read-only view of the mmap
             warnings.filterwarnings("ignore", message=".*not writable.*")
             t = dequantize_tensor(self.model, name, rows=rows)
-        return t.to(dtype=self.dtype, device=self.device)  # a copy unless fp32 on cpu
+        t = t.to(dtype=self.dtype, device=self.device)  # a copy unless fp32 on cpu
+        # the stored type, read where an emulated engine rounds by weight type
+        # (precision.unrounded_sums_error: only weights with a per-block offset)
+        t.ggml_type = self.model.tensors[name].qtype.name
+        return t
 
     def has(self, name: str) -> bool:
         return name in self.model.tensors

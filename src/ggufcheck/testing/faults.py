@@ -680,30 +680,24 @@ def q4_k_kernel_wrong(model_path: str | Path) -> Engine:
     return wrong_kernel_engine(model_path, "Q4_K")
 
 
-# the weight types whose blocks carry an offset next to the scale (w = d*q + m)
-MIN_OFFSET_TYPES = frozenset({"Q4_1", "Q5_1"})
-
-
 def cuda_q8_1_sums_engine(model_path: str | Path) -> Engine:
-    """The reference rounding as llama.cpp's CUDA backend does on a model whose matmul weights
-    are all Q4_1 / Q5_1: activations in 8-bit 32-blocks whose block sums are taken before
-    rounding (precision.unrounded_sums_error; docs/real-world-cases.md), KV cache in f16.
-    It claims the 8-bit class as that backend does, so it is judged like it: the kernel matrix
-    must say this type rounds more than 8-bit activations explain, and still pass it. On any
-    other model it rounds as the CPU backend does (the form the 8-bit emulation models)."""
+    """The reference rounding as llama.cpp's CUDA backend does on Q4_1 / Q5_1 weights:
+    activations in 8-bit 32-blocks whose block sums are taken before rounding
+    (precision.unrounded_sums_error; docs/real-world-cases.md), KV cache in f16; every other
+    weight as the CPU backend (the form the plain 8-bit emulation models). It claims the 8-bit
+    class and states only the plain emulation as its rounding, so it is judged as the CPU
+    backend is: the kernel matrix must say the offset types round more than that explains,
+    and still pass them."""
     from dataclasses import replace
 
     from ggufcheck.gguf.reader import open_gguf
-    from ggufcheck.reference.precision import UNQUANTIZED, emulation_for, matmul_weight_types
+    from ggufcheck.reference.precision import Emulation, emulation_for, matmul_weight_types
 
     with open_gguf(model_path) as g:
         types = matmul_weight_types(g.tensors)
-    quantized = [t for t in types if t not in UNQUANTIZED]
-    emulation = emulation_for("q8", types)  # the CPU backend's rounding
-    if quantized and all(t in MIN_OFFSET_TYPES for t in quantized):
-        emulation = replace(emulation, block_sums="unrounded")
+    emulation = replace(emulation_for("q8", types) or Emulation(), block_sums="unrounded")
     engine = ReferenceEngine(model_path, dtype="fp32", emulate=emulation)
-    engine.capabilities = replace(engine.capabilities, activation_dtype="q8")
+    engine.capabilities = replace(engine.capabilities, activation_dtype="q8")  # stated rounding: the plain one
     engine.name = f"reference fp32 with CUDA's q8_1 block sums ({Path(model_path).name})"
     return engine
 
