@@ -104,3 +104,28 @@ def test_a_frozen_result_still_pickles_copies_and_serializes():
     for clone in (pickle.loads(pickle.dumps(r)), copy.deepcopy(r), copy.copy(r)):
         assert clone.to_json() == r.to_json()
     assert json.loads(json.dumps(r.to_json()))["stats"] == {"nested": {"a": [1, 2]}}
+
+
+def test_a_kernel_probes_agreement_is_judged_by_a_comparison_on_the_host():
+    """The probe (in the target interpreter) measures the kernel against fp64; the host turns
+    the measurement into a Comparison and a Result the way every other check does, worst
+    element included; cases with their own agreement rule keep the probe's words."""
+    from ggufcheck.checks.kernels import result_from_answer
+
+    stats = {"rel_l2": 0.5, "tol": 0.1, "baseline_rel_l2": 0.03, "multiple": 3.0, "floor": 0.01,
+             "baseline": "fp16 math", "worst": {"index": 3, "got": 1.5, "want": 1.0}}
+    answer = {"case": "sdpa.flash.gqa_128.fp16.cuda", "kind": "sdpa", "tier": "agrees", "dtype": "fp16",
+              "device": "cuda", "status": "PASS", "message": "the probe's own words", "stats": stats}
+    result = result_from_answer(answer)
+    assert result.failed  # the host's judgment: 0.5 > 0.1, whatever the probe said
+    assert "relative error 0.5 > 0.1 at [3]: got 1.5, want 1" in result.message
+    assert "3 x baseline 0.03 + floor 0.01" in result.message
+    assert result.worst == {"element": [3], "got": 1.5, "want": 1.0}
+    assert result.stats["metric"] == "rel_error" and result.stats["baseline"] == "fp16 math"
+
+    within = result_from_answer({**answer, "status": "FAIL", "stats": {**stats, "rel_l2": 0.05}})
+    assert within.status is Status.PASS and "relative error 0.05 <= 0.1" in within.message
+
+    own_rule = result_from_answer({**answer, "status": "FAIL", "message": "top-k sets differ at 2 rows",
+                                   "stats": {"jaccard": 0.5}})
+    assert own_rule.failed and "top-k sets differ" in own_rule.message

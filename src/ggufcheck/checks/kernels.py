@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ggufcheck.comparison import Comparison, Worst, to_result
 from ggufcheck.probe.runner import ProbeTarget, run_probe
 from ggufcheck.results import Result, StageReport, Status, errored
 
@@ -442,8 +443,26 @@ def result_from_answer(a: dict) -> Result:
     # "sdpa.flash.gqa_128.bf16.cuda" -> "flash gqa_128 bf16" (no brackets: rich reads markup)
     parts = a["case"].split(".")
     label = " ".join(parts[1:-1]) if len(parts) > 2 else a["case"]
-    message = f"{label} | {a.get('tier')}: {a.get('message')}"
-    if "ms" in stats:
-        message += f" ({stats['ms']:.3f} ms)"
-    status = Status(a["status"])
-    return Result(f"kernels.{a['kind']}", status, "kernel", message or "no message", stats=stats)
+    timing = f" ({stats['ms']:.3f} ms)" if "ms" in stats else ""
+    agreement = probe_agreement(stats) if a.get("tier") == "agrees" and a["status"] in ("PASS", "FAIL") else None
+    if agreement is not None:  # the probe measured; the verdict is the comparison's, as everywhere
+        limit = (f"{stats['multiple']:g} x baseline {stats['baseline_rel_l2']:.3g} + floor {stats['floor']:.3g}, "
+                 f"baseline: {stats['baseline']}")
+        overflow = (f"; the plain {a.get('dtype')} baseline overflows here ({stats['baseline_nonfinite']} non-finite "
+                    "values), so the limit uses output rounding" if stats.get("baseline_nonfinite") else "")
+        return to_result(agreement, f"kernels.{a['kind']}", "kernel", stats=stats,
+                         message=f"{label} | agrees: {agreement.text()} (limit {limit}){overflow}{timing}")
+    message = f"{label} | {a.get('tier')}: {a.get('message')}{timing}"
+    return Result(f"kernels.{a['kind']}", Status(a["status"]), "kernel", message, stats=stats)
+
+
+def probe_agreement(stats: dict) -> Comparison | None:
+    """The probe's agreement tier (ggufcheck_probe_tiers._agree: the kernel's output against fp64,
+    relative L2, limit ``multiple * baseline + floor``) as a Comparison; None for a case with its
+    own agreement rule (top-k sets, index sets), which the probe words itself."""
+    if not {"rel_l2", "tol", "baseline_rel_l2", "multiple", "floor"} <= stats.keys():
+        return None
+    w = stats.get("worst") or {}
+    worst = Worst((int(w["index"]),), float(w["got"]), float(w["want"])) if "index" in w else None
+    return Comparison("rel_error", float(stats["rel_l2"]), float(stats["tol"]), "vs fp64",
+                      baseline=float(stats["baseline_rel_l2"]), worst=worst)
