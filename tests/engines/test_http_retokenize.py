@@ -110,3 +110,30 @@ def test_llama_cpp_dialects_take_the_activation_class_from_the_file(tmp_path, qt
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.parametrize("backend, rounding", [
+    ("", {"activations": "q8_0", "kv": "f16"}),
+    ("&backend=cpu", {"activations": "q8_0", "kv": "f16"}),
+    ("&backend=cuda", {"activations": "q8_0", "kv": "f16", "block_sums": "unrounded"})])
+def test_a_llama_cpp_server_on_cuda_rounds_as_cuda_does(tmp_path, backend, rounding):
+    """A server does not say where its matmuls run: ``backend=cuda`` says they run on CUDA, so
+    a Q4_1 file's baseline takes CUDA's q8_1 block sums (docs/real-world-cases.md case 4)."""
+    from ggufcheck.testing.tiny import build_tiny_gguf
+
+    server = serve([])
+    try:
+        path = build_tiny_gguf("llama", tmp_path / "m.gguf", qtypes="Q4_1", n_embd=256, head_dim=64, n_ff=512).path
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1?kind=llama-cpp-python{backend}"
+        engine = HttpEngine(url, vocab_size=len(VOCAB), model_path=path, options=HttpOptions(timeout_s=5, retries=0))
+        assert dict(engine.capabilities.rounding) == rounding
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("spec, says", [("http://127.0.0.1:9?backend=rocm", "unknown backend 'rocm'"),
+                                        ("http://127.0.0.1:9?gpu=1", "unknown option 'gpu'")])
+def test_a_bad_server_option_is_named(spec, says):
+    with pytest.raises(ValueError, match=says):
+        HttpEngine(spec, model_path=None, options=HttpOptions(timeout_s=1, retries=0))

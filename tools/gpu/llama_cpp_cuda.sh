@@ -6,7 +6,7 @@
 # Stage first, here: bash tools/gpu/stage_llama_cpp.sh   (fills the git-ignored .gpu/)
 # Device call:       bash tools/gpu/llama_cpp_cuda.sh [STEPS]   with carry [".gpu"]
 #   STEPS: comma-separated subset of build,probe,matrix,matrix2,matrix3,lead,chunklead,families,hfprof,recheck,
-#          recheck2,real,realquick,reallead,oplead,envtime,server,
+#          recheck2,real,realquick,realhttp,reallead,oplead,envtime,server,
 #          oldlead,hf (default: build,probe,matrix,lead,server,oldlead,hf)
 # Writes $OUT/log.txt-style logs per step, $OUT/results.tgz, and on a fresh build the
 # build's bin/ as $OUT/bin.tar.xz.part* (< 16 MiB each): move them to .gpu/prebuilt/ and the
@@ -156,6 +156,15 @@ fi
 if has realquick; then  # SmolLM2 in process only (the readings that changed: chunked pair judged per path)
   cat .gpu/realA/* .gpu/realB/* > $W/models/smollm2.gguf && sha256sum $W/models/smollm2.gguf | cut -c1-16
   TAILN=30 step 150 real-ngl99 python3 -m ggufcheck diagnose $W/models/smollm2.gguf --no-sanity --engine llama-cpp:n_gpu_layers=99 --json $W/real-ngl99.json
+fi
+
+if has realhttp; then  # SmolLM2 through llama-server -ngl 99, judged with CUDA's rounding (?backend=cuda)
+  cat .gpu/realA/* .gpu/realB/* > $W/models/smollm2.gguf && sha256sum $W/models/smollm2.gguf | cut -c1-16
+  $B/bin/llama-server -m $W/models/smollm2.gguf -ngl 99 --host 127.0.0.1 --port 8093 -c 4096 -np 1 > $W/server-real.log 2>&1 &
+  SP=$!
+  for i in $(seq 60); do curl -sf 127.0.0.1:8093/health >/dev/null && break; sleep 0.5; done
+  TAILN=25 step 200 real-http-cuda python3 -m ggufcheck diagnose $W/models/smollm2.gguf --no-sanity --engine "http://127.0.0.1:8093?backend=cuda" --json $W/real-http-cuda.json
+  kill $SP; wait $SP 2>/dev/null
 fi
 
 if has oplead; then  # the SmolLM2 lead one product at a time: layer 0's Q4_1 products on the engine's own input

@@ -12,6 +12,11 @@ Three server dialects, detected from what the server answers (or forced with
 - llama-server: ``/completion`` with ``n_probs`` returns ids but no prompt log-probs, so
   teacher forcing is one ``n_predict: 1`` request per prefix (with ``cache_prompt``).
 
+A llama.cpp server does not say where its matmuls run; ``?backend=cuda`` says they run on a
+CUDA GPU (``llama-server -ngl 99``), so the baseline rounds as llama.cpp's CUDA backend does
+(``engines.llama_cpp.gpu_rounding``: Q4_1 / Q5_1 products take CUDA's q8_1 block sums, ~5x
+the CPU's rounding on those types; docs/real-world-cases.md case 4). The default is the CPU's.
+
 Results follow the OpenAI semantics (entry i of an echoed prompt is the distribution that
 predicts token i); a server that shifts them is reported by the checks, not corrected here.
 Every request has a timeout and bounded retries with exponential backoff; a server that is
@@ -147,18 +152,30 @@ def _field(doc: Any, *path: Any) -> Any:
     return cur
 
 
-def parse_spec(spec: str) -> tuple[str, str | None]:
-    """``http://h:p[/v1][?kind=K]`` -> (server root URL without /v1, forced dialect or None)."""
+# where a llama.cpp server's matmuls run (``?backend=``): its rounding follows
+BACKENDS = ("cpu", "cuda")
+
+
+def parse_spec(spec: str) -> tuple[str, str | None, str]:
+    """``http://h:p[/v1][?kind=K][&backend=B]`` -> (server root URL without /v1, forced dialect
+    or None, backend: "cpu" unless given)."""
     parsed = urllib.parse.urlsplit(spec)
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
         raise ValueError(f"not an http(s) URL: {spec!r}")
-    kind = urllib.parse.parse_qs(parsed.query).get("kind", [None])[0]
+    query = urllib.parse.parse_qs(parsed.query)
+    unknown = sorted(set(query) - {"kind", "backend"})
+    if unknown:
+        raise ValueError(f"unknown option {unknown[0]!r} (choose from kind=, backend=)")
+    kind = query.get("kind", [None])[0]
     if kind is not None and kind not in DIALECTS:
         raise ValueError(f"unknown server kind {kind!r} (choose from {', '.join(DIALECTS)})")
+    backend = query.get("backend", ["cpu"])[0]
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r} (choose from {', '.join(BACKENDS)})")
     path = parsed.path.rstrip("/")
     if path.endswith("/v1"):
         path = path[:-3]
-    return urllib.parse.urlunsplit((parsed.scheme, parsed.netloc, path, "", "")), kind
+    return urllib.parse.urlunsplit((parsed.scheme, parsed.netloc, path, "", "")), kind, backend
 
 
 class HttpEngine(Engine):
@@ -166,7 +183,7 @@ class HttpEngine(Engine):
 
     def __init__(self, spec: str, *, vocab_size: int | None = None, model_path: str | Path | None = None,
                  options: HttpOptions = HttpOptions()):
-        root, kind = parse_spec(spec)
+        root, kind, self.backend = parse_spec(spec)
         self.client = Client(root, options)
         self.options = options
         self.kind = kind or self._detect()
@@ -243,14 +260,16 @@ class HttpEngine(Engine):
 
     def _rounding(self) -> dict[str, str]:
         """Where a llama.cpp server rounds (Capabilities.rounding), as in process with its
-        default f16 KV cache; vLLM and unknown files: from the class."""
+        default f16 KV cache, on the CPU or (``?backend=cuda``) on CUDA; vLLM and unknown files:
+        from the class."""
         if self.kind == "vllm" or self._model_path is None:
             return {}
         from types import SimpleNamespace
 
-        from ggufcheck.engines.llama_cpp import rounding
+        from ggufcheck.engines.llama_cpp import gpu_rounding, rounding
 
-        return rounding(self._model_path, SimpleNamespace(type_k=1))  # 1: GGML_TYPE_F16
+        where = gpu_rounding if self.backend == "cuda" else rounding
+        return where(self._model_path, SimpleNamespace(type_k=1))  # 1: GGML_TYPE_F16
 
     # ---- tokenization ---------------------------------------------------------------------
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:

@@ -15,7 +15,7 @@
     vllm[:tp=N,dtype=fp32|bf16|fp16,max_model_len=N,kv_cache_gib=N]
                                  the real vLLM (GGUF plug-in) in its own interpreter
                                  (python=; --python PATH), every TP rank reachable
-    http://HOST:PORT[/v1][?kind=vllm|llama-cpp-python|llama-server]
+    http://HOST:PORT[/v1][?kind=vllm|llama-cpp-python|llama-server][&backend=cuda]
     python:MODULE:FACTORY        a user's own engine: FACTORY(model_path) -> Engine
 
 Heavy libraries are imported only by the adapter a spec names.
