@@ -12,7 +12,10 @@ a limit. Every check turns it into a :class:`~ggufcheck.results.Result` the same
 The metrics here are the ones the checks use: :func:`max_abs` (the largest elementwise
 difference, NaN / inf where either side is not finite and they differ), :func:`rel_error`
 (``||got - want|| / ||want||``), :func:`within_rtol` (every element within a relative
-tolerance of the wanted value), and :func:`exact` (bitwise equal).
+tolerance of the wanted value), and :func:`exact` (bitwise equal). Statistics measured
+elsewhere are held to a limit the same way by building the value directly: the logits stage's
+mean KL, 99th-percentile KL and NMSE (``multiple * baseline + floor``), and the kernel probe's
+relative error against fp64 (checks/kernels.py).
 """
 
 from __future__ import annotations

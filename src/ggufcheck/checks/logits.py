@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ggufcheck.comparison import Comparison, to_result
 from ggufcheck.engines.base import TokenLogprobs, row_blocks
 from ggufcheck.results import Result, failed, passed, skipped
 
@@ -305,20 +306,23 @@ def judge(metrics: PositionMetrics, baseline: Baseline, tolerance: LogitToleranc
     base_note = f"baseline ({baseline.source})"
     results: list[Result] = []
 
-    limit = m * baseline.kl_mean + tolerance.kl_floor
-    results.append(_verdict(
-        "logits.kl_mean", component, kl["mean"] <= limit,
-        f"mean KL(ref||engine) {kl['mean']:.3g} nats over {kl['n']} positions ({method}); "
-        f"{base_note} {baseline.kl_mean:.3g}, limit {limit:.3g}",
-        stats={"kl": kl, "baseline": baseline.kl_mean, "limit": limit, "method": method,
-               "ambiguous_positions": metrics.ambiguous}, worst=worst))
+    # each statistic held to multiple x its baseline + floor, as one Comparison (comparison.py)
+    mean = Comparison("kl_mean", kl["mean"], m * baseline.kl_mean + tolerance.kl_floor, "mean KL(ref||engine)",
+                      baseline.kl_mean, size=kl["n"])
+    results.append(to_result(
+        mean, "logits.kl_mean", component,
+        message=f"mean KL(ref||engine) {kl['mean']:.3g} nats over {kl['n']} positions ({method}); "
+                f"{base_note} {baseline.kl_mean:.3g}, limit {mean.limit:.3g}",
+        stats={"kl": kl, "method": method, "ambiguous_positions": metrics.ambiguous}, worst=worst))
+    limit = mean.limit
 
-    limit99 = m * baseline.kl_p99 + tolerance.kl_p99_floor
-    results.append(_verdict(
-        "logits.kl_p99", component, kl["p99"] <= limit99,
-        f"99th-percentile KL {kl['p99']:.3g} (max {kl['max']:.3g}); baseline {baseline.kl_p99:.3g}, "
-        f"limit {limit99:.3g}",
-        stats={"p99": kl["p99"], "max": kl["max"], "baseline": baseline.kl_p99, "limit": limit99}))
+    p99 = Comparison("kl_p99", kl["p99"], m * baseline.kl_p99 + tolerance.kl_p99_floor, "99th-percentile KL",
+                     baseline.kl_p99, size=kl["n"])
+    results.append(to_result(
+        p99, "logits.kl_p99", component,
+        message=f"99th-percentile KL {kl['p99']:.3g} (max {kl['max']:.3g}); baseline {baseline.kl_p99:.3g}, "
+                f"limit {p99.limit:.3g}",
+        stats={"p99": kl["p99"], "max": kl["max"]}))
 
     results.append(judge_argmax(metrics, baseline, tolerance, limit, component))
 
@@ -338,12 +342,13 @@ def judge(metrics: PositionMetrics, baseline: Baseline, tolerance: LogitToleranc
         results.append(skipped("logits.delta_p", component, "the engine reported no observed-token probability"))
 
     nm = distribution(metrics.nmse)
-    limit_nmse = m * baseline.nmse_mean + tolerance.nmse_floor
-    results.append(_verdict(
-        "logits.nmse", component, nm["mean"] <= limit_nmse,
-        f"NMSE of log-softmax {nm['mean']:.3g} ({'full vocabulary' if metrics.full_vocab else 'top-k ids'}); "
-        f"baseline {baseline.nmse_mean:.3g}, limit {limit_nmse:.3g}",
-        stats={"nmse": nm, "baseline": baseline.nmse_mean, "limit": limit_nmse}))
+    nmse = Comparison("nmse_mean", nm["mean"], m * baseline.nmse_mean + tolerance.nmse_floor,
+                      "NMSE of log-softmax", baseline.nmse_mean, size=nm.get("n", 0))
+    results.append(to_result(
+        nmse, "logits.nmse", component,
+        message=f"NMSE of log-softmax {nm['mean']:.3g} ({'full vocabulary' if metrics.full_vocab else 'top-k ids'}); "
+                f"baseline {baseline.nmse_mean:.3g}, limit {nmse.limit:.3g}",
+        stats={"nmse": nm}))
     return results
 
 
