@@ -306,9 +306,11 @@ def judge(metrics: PositionMetrics, baseline: Baseline, tolerance: LogitToleranc
     base_note = f"baseline ({baseline.source})"
     results: list[Result] = []
 
-    # each statistic held to multiple x its baseline + floor, as one Comparison (comparison.py)
-    mean = Comparison("kl_mean", kl["mean"], m * baseline.kl_mean + tolerance.kl_floor, "mean KL(ref||engine)",
-                      baseline.kl_mean, size=kl["n"])
+    def held(metric: str, value: float, base: float, floor: float, what: str, n: int) -> Comparison:
+        """A statistic held to multiple x its baseline + floor (comparison.py)."""
+        return Comparison(metric, value, m * base + floor, what, base, size=n)
+
+    mean = held("kl_mean", kl["mean"], baseline.kl_mean, tolerance.kl_floor, "mean KL(ref||engine)", kl["n"])
     results.append(to_result(
         mean, "logits.kl_mean", component,
         message=f"mean KL(ref||engine) {kl['mean']:.3g} nats over {kl['n']} positions ({method}); "
@@ -316,8 +318,7 @@ def judge(metrics: PositionMetrics, baseline: Baseline, tolerance: LogitToleranc
         stats={"kl": kl, "method": method, "ambiguous_positions": metrics.ambiguous}, worst=worst))
     limit = mean.limit
 
-    p99 = Comparison("kl_p99", kl["p99"], m * baseline.kl_p99 + tolerance.kl_p99_floor, "99th-percentile KL",
-                     baseline.kl_p99, size=kl["n"])
+    p99 = held("kl_p99", kl["p99"], baseline.kl_p99, tolerance.kl_p99_floor, "99th-percentile KL", kl["n"])
     results.append(to_result(
         p99, "logits.kl_p99", component,
         message=f"99th-percentile KL {kl['p99']:.3g} (max {kl['max']:.3g}); baseline {baseline.kl_p99:.3g}, "
@@ -342,8 +343,8 @@ def judge(metrics: PositionMetrics, baseline: Baseline, tolerance: LogitToleranc
         results.append(skipped("logits.delta_p", component, "the engine reported no observed-token probability"))
 
     nm = distribution(metrics.nmse)
-    nmse = Comparison("nmse_mean", nm["mean"], m * baseline.nmse_mean + tolerance.nmse_floor,
-                      "NMSE of log-softmax", baseline.nmse_mean, size=nm.get("n", 0))
+    nmse = held("nmse_mean", nm["mean"], baseline.nmse_mean, tolerance.nmse_floor, "NMSE of log-softmax",
+                nm.get("n", 0))
     results.append(to_result(
         nmse, "logits.nmse", component,
         message=f"NMSE of log-softmax {nm['mean']:.3g} ({'full vocabulary' if metrics.full_vocab else 'top-k ids'}); "

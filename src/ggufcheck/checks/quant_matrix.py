@@ -98,30 +98,35 @@ class MatrixRow:
             return None
         return kl / self.emulation_kl
 
-    def rounding_excess(self) -> dict[str, float]:
-        """The paths whose KL exceeds the limit the emulation alone would give
-        (``multiple * emulation + floor``, the served stage's formula), with their ratio."""
+    def emulation_limit(self) -> float | None:
+        """The limit the emulation alone would give (``multiple * emulation + floor``, the served
+        stage's formula without the class allowance's widening)."""
         from ggufcheck.checks.logits import LogitTolerance
 
-        if self.emulation_kl is None:
-            return {}
         tol = LogitTolerance()
-        own = tol.multiple * self.emulation_kl + tol.kl_floor
+        return None if self.emulation_kl is None else tol.multiple * self.emulation_kl + tol.kl_floor
+
+    def rounding_excess(self) -> dict[str, float]:
+        """The paths whose KL exceeds :meth:`emulation_limit`, with their ratio to the emulation."""
+        own = self.emulation_limit()
+        if own is None:
+            return {}
         return {path: ratio for path, kl in (("prefill", self.prefill_kl), ("decode", self.decode_kl))
                 if kl is not None and kl > own and (ratio := self.times_emulated(path)) is not None}
 
     def rounding_note(self) -> str:
+        """The note naming a type whose paths round more than the stated rounding explains ("" if none)."""
         excess = self.rounding_excess()
         if not excess:
             return ""
         from ggufcheck.checks.logits import LogitTolerance
 
         tol = LogitTolerance()
-        own = tol.multiple * self.emulation_kl + tol.kl_floor
         paths = ", ".join(f"{path} {ratio:.1f}x" for path, ratio in excess.items())
         allowance = f", within the class allowance {self.prefill_limit:.3g}" if self.prefill_limit is not None else ""
         return (f"rounds more than its class explains: {paths} the KL of the reference emulating that "
-                f"rounding ({self.emulation_kl:.2g}; {tol.multiple:g}x + {tol.kl_floor:g} = {own:.2g}){allowance}")
+                f"rounding ({self.emulation_kl:.2g}; {tol.multiple:g}x + {tol.kl_floor:g} = "
+                f"{self.emulation_limit():.2g}){allowance}")
 
     def result(self) -> Result:
         stats = {k: v for k, v in (("prefill_kl", self.prefill_kl), ("prefill_limit", self.prefill_limit),
@@ -130,8 +135,9 @@ class MatrixRow:
                                    ("emulation_kl", self.emulation_kl)) if v is not None}
         if self.failed_paths:
             stats["failed_paths"] = list(self.failed_paths)
-        if self.rounding_excess():
-            stats["rounding_excess"] = self.rounding_excess()
+        excess = self.rounding_excess()
+        if excess:
+            stats["rounding_excess"] = excess
         return Result(f"quant_matrix[{self.qtype}]", self.status, "dequant", self.message, stats=stats)
 
 
@@ -174,8 +180,9 @@ def summarize(qtype: str, stages: list[StageReport]) -> MatrixRow:
                        "; ".join(f"{r.check}: {r.message}" for r in failed[:2]))
     else:
         row.message = "prefill, decode and chunked prefill agree with the reference"
-        if row.rounding_note():
-            row.message += "; " + row.rounding_note()
+        note = row.rounding_note()
+        if note:
+            row.message += "; " + note
     return row
 
 
