@@ -10,7 +10,7 @@ each repeat loops for >= 0.3 s and the best repeat counts. Ours is timed two way
 'new' = dequantize(), which returns a fresh float32 array (a large one is mmapped and
 page-faulted on every call), and 'reused' = dequantize_into() a preallocated buffer, the way
 ggufcheck's scan and reference use it. Outputs of twice the last-level cache and more go
-through the streaming-store kernels (``streaming.py``); for those the same buffer is also timed
+through the streaming-store kernels (``kernels/*_streaming``); for those the same buffer is also timed
 through the ordinary-store kernel ('ordinary stores'), so the gain shows side by side. The
 default size, 32 MB of quantized input per type, makes every output (114-228 MB of float32)
 outgrow the cache as the tensors of the models this tool is for do (10-1000 MB each); ``--mb 4``
@@ -41,7 +41,7 @@ import gguf
 import numpy as np
 
 from ggufcheck.gguf.quants import compare, cpu_path, dequantize, samples, tables
-from ggufcheck.gguf.quants.host import KERNELS
+from ggufcheck.gguf.quants.registry import KERNELS
 
 Q = gguf.GGMLQuantizationType
 
@@ -94,12 +94,12 @@ def _fill_kernels():
     """Numba parallel fills of a float32 buffer, ordinary and streaming stores: the write rates.
 
     The streaming fill stores through the same 16-byte non-temporal lane op as our streaming
-    kernels (``streaming._lanes``, with a zero multiplier); it needs a 16-byte aligned buffer.
+    kernels (``kernels.lanes.lanes``, with a zero multiplier); it needs a 16-byte aligned buffer.
     """
     import numba
 
-    from ggufcheck.gguf.quants import streaming
     from ggufcheck.gguf.quants.host import _prefer_workqueue
+    from ggufcheck.gguf.quants.kernels import lanes as lane_ops
 
     _prefer_workqueue()  # the threading layer our kernels run on
 
@@ -109,7 +109,7 @@ def _fill_kernels():
             out[i] = np.float32(1.5)
 
     zeros = np.zeros(4, np.uint8)
-    lanes, fence = streaming._lanes, streaming._fence
+    lanes, fence = lane_ops.lanes, lane_ops.fence
 
     @numba.njit(parallel=True, nogil=True, boundscheck=False)
     def stream_fill_kernel(out, zeros, n_tasks):
@@ -130,9 +130,7 @@ def cpu_table(types: list[Q], mb: float, repeats: int) -> int:
     """Per type, interleaved: gguf-py, transformers, ours into a new array, ours into a reused one, fills."""
     import torch
 
-    from ggufcheck.gguf.quants import dequantize_into
-
-    from ggufcheck.gguf.quants import cpu, streaming
+    from ggufcheck.gguf.quants import dequantize_into, registry
 
     hf, why = _transformers_dequant()
     fill, stream_fill = _fill_kernels()
@@ -153,8 +151,8 @@ def cpu_table(types: list[Q], mb: float, repeats: int) -> int:
     print(f"float32 write rate (numba parallel fill of {big * 4 / 1e6:.0f} MB, best of {repeats}): "
           f"reused buffer {big * 4 / min(t_reuse) / 1e9:.1f} GB/s, fresh np.empty {big * 4 / min(t_fresh) / 1e9:.1f} GB/s; "
           f"reused buffer, streaming stores {big * 4 / min(t_stream) / 1e9:.1f} GB/s")
-    print(f"streaming-store kernels serve outputs >= {streaming.MIN_BYTES / 2**20:.0f} MiB "
-          f"(twice the last-level cache) of {', '.join(q.name for q in streaming.KERNELS)}")
+    print(f"streaming-store kernels serve outputs >= {registry.STREAM_MIN_BYTES / 2**20:.0f} MiB "
+          f"(twice the last-level cache) of {', '.join(q.name for q in registry.STREAMED)}")
     rows = []
     failures = 0
     for qtype in types:
@@ -179,9 +177,9 @@ def cpu_table(types: list[Q], mb: float, repeats: int) -> int:
         fresh_fill = lambda: fill(np.empty(reused.size, np.float32))  # noqa: E731
         fill(reused.reshape(-1))
         flat = reused.reshape(-1)
-        streams = streaming.applies(qtype, flat)
+        streams = registry.streams(qtype, flat)
         can_stream_fill = flat.ctypes.data % 16 == 0 and flat.size % 4 == 0
-        plain_kernel = getattr(cpu, KERNELS[qtype].name) if streams else None
+        plain_kernel = KERNELS[qtype].plain() if streams else None
         plain_args = (raw.reshape(-1), flat, *KERNELS[qtype].tables()) if streams else ()
         t = {k: [] for k in ("ref", "hf", "new", "into", "plain", "fill", "fill_new", "fill_stream")}
         for r in range(repeats):  # interleaved, so that background load hits every path alike

@@ -135,14 +135,13 @@ def test_forced_reference_path(monkeypatch):
 
 
 def test_broken_kernel_falls_back_and_says_why(monkeypatch):
-    from ggufcheck.gguf.quants import cpu
-
     pytest.importorskip("numba")
+    from ggufcheck.gguf.quants import registry
 
     def broken(*args):
         raise RuntimeError("simulated JIT failure")
 
-    monkeypatch.setattr(cpu, "q5_1", broken)
+    monkeypatch.setattr(registry.KERNELS[Q.Q5_1].module(), "q5_1", broken)
     monkeypatch.setattr(host, "_broken", {})
     raw = samples.fuzz_blocks(Q.Q5_1, 32, seed=2)
     result = compare.compare_blocks(dequantize(raw, Q.Q5_1), _oracle(raw, Q.Q5_1), 32)
@@ -178,3 +177,30 @@ def test_small_value_tables_match_gguf_py():
     ue = np.asarray(gq.NVFP4.ue4m3_to_fp32(e.reshape(-1)), dtype=np.float32)
     assert np.array_equal(tables.ue4m3_half_to_f32(), ue)
     assert tuple(tables.IQ4_LEVELS) == gq.IQ4_NL.kvalues and tuple(tables.FP4_LEVELS) == gq.MXFP4.kvalues
+
+
+def test_registry_names_every_kernel_once():
+    """Each type gguf-py dequantizes (bar F32, a copy) has one registry row whose family module
+    defines its kernels, and every kernel a family module defines is some row's: a kernel cannot
+    be added without its row, nor a row without its kernel."""
+    pytest.importorskip("numba")
+    import inspect
+
+    from ggufcheck.gguf.quants import registry
+
+    assert set(registry.KERNELS) == set(ALL_TYPES) - {Q.F32}
+    named = set()
+    for qtype, kernel in registry.KERNELS.items():
+        assert hasattr(kernel.plain(), "py_func"), qtype.name
+        named.add((kernel.family, kernel.name))
+        if kernel.streaming:
+            assert hasattr(kernel.streamer(), "py_func"), qtype.name
+            named.add((kernel.family, f"{kernel.name}_streaming"))
+    families = {k.family for k in registry.KERNELS.values()}
+    defined = set()
+    for family in families:
+        module = registry.KERNELS[next(q for q, k in registry.KERNELS.items() if k.family == family)].module()
+        for name, obj in vars(module).items():
+            if hasattr(obj, "py_func") and not name.startswith("_") and inspect.getmodule(obj.py_func) is module:
+                defined.add((family, name))
+    assert defined == named

@@ -9,12 +9,12 @@ Public API:
   (``fused.py``), or None where only the plain path exists;
 - :func:`cpu_path` / :func:`gpu_path`: which implementation a type takes and why.
 
-Paths: every type ``gguf.quants.dequantize`` supports has a numba kernel (``cpu.py``,
-``parallel=True``, ``cache=True``); outputs past twice the last-level cache of the 32-element
-and K-quant types go through twins of those kernels that write with streaming stores
-(``streaming.py``: the same bits, 1.1-1.5x faster where the write bounds the rate); without
-numba, or with ``GGUFCHECK_DEQUANT=gguf-py``, or
-if a kernel fails to compile, the type falls back to gguf-py (same bits, slower). CUDA:
+Paths: every type ``gguf.quants.dequantize`` supports has a numba kernel (``kernels/``, one
+module per family, ``parallel=True``, ``cache=True``; ``registry.py`` names each type's);
+outputs past twice the last-level cache of the 32-element and K-quant types go through twins of
+those kernels that write with streaming stores (``kernels/lanes.py``: the same bits, 1.1-1.5x
+faster where the write bounds the rate); without numba, or with ``GGUFCHECK_DEQUANT=gguf-py``,
+or if a kernel fails to compile, the type falls back to gguf-py (same bits, slower). CUDA:
 Triton kernels (``gpu.py``) for every type except F32 (a view); without Triton, types
 dequantize on the CPU and are copied over.
 

@@ -3,8 +3,8 @@
 Why: dequantizing a tensor into a buffer and then scanning that buffer moves every value
 through memory twice, and a branchy statistics loop does not vectorize; together they ran the
 whole-file scan at ~0.1x the disk read rate. Here each row is decoded into a small scratch row
-that stays in L1 (by a *serial* compile of the ``cpu.py`` kernel) and its statistics are taken
-at once with integer tests on the float32 bits (non-finite count, max |x| and the all-zero test
+that stays in L1 (by a *serial* compile of the type's plain kernel, ``registry.KERNELS``) and its
+statistics are taken at once with integer tests on the float32 bits (non-finite count, max |x| and the all-zero test
 vectorize without fastmath), plus float64 sums in which only reassociation is allowed.
 
 Per row the pass returns: non-finite count, max |x| (as float32 bits), OR of |x| bits (0 means
@@ -14,25 +14,22 @@ exactly by the caller through the plain path, which splits NaN from Inf and find
 
 Why the function copies (``_renamed``): numba caches a function by its qualified name and
 source line, and it caches neither closures over dispatchers nor functions that take one as an
-argument. A serial compile of ``cpu.q4_k`` under its own name, and one copy of
+argument. A serial compile of ``kernels.kquants.q4_k`` under its own name, and one copy of
 ``_scan_rows`` per type that calls it through the global ``BLOCKS``, are both ordinary cached
-functions. A scan driver's cache name carries a hash of ``cpu.py`` because numba does not
-notice when a callee in another file changes.
+functions. A scan driver's cache name carries a hash of the kernel sources
+(``registry.source_digest``) because numba does not notice when a callee in another file changes.
 """
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 import types
-from pathlib import Path
 
 import gguf
 import numba
 import numpy as np
 from numba import njit, prange
 
-from ggufcheck.gguf.quants import cpu
+from ggufcheck.gguf.quants import registry
 
 Q = gguf.GGMLQuantizationType
 
@@ -115,8 +112,8 @@ def _scan_rows(src2d, row_elements, tables, block_bytes, scale_offsets, n_tasks,
                 out[r, FIRST_BAD_SCALE] = -1
 
 
-_CPU_HASH = hashlib.sha256(Path(inspect.getfile(cpu)).read_bytes()).hexdigest()[:12]
-_drivers: dict[str, object] = {}
+_SOURCE_HASH = registry.source_digest()
+_drivers: dict[Q, object] = {}
 
 
 def _renamed(func: types.FunctionType, name: str, **extra_globals) -> types.FunctionType:
@@ -128,19 +125,21 @@ def _renamed(func: types.FunctionType, name: str, **extra_globals) -> types.Func
     return copy
 
 
-def driver(kernel: str):
-    """The cached parallel scan for one ``cpu.py`` kernel name ('q4_k', ..., or 'f32')."""
-    if kernel not in _drivers:
-        if kernel == "f32":
-            blocks = _copy_f32
+def driver(qtype: Q):
+    """The cached parallel scan for one type (F32 or a ``registry.KERNELS`` type)."""
+    if qtype not in _drivers:
+        if qtype == Q.F32:
+            name, blocks, out_bits = "f32", _copy_f32, False
         else:
-            blocks = njit(**_SERIAL)(_renamed(getattr(cpu, kernel).py_func, f"{kernel}_serial"))
-        scan = _renamed(_scan_rows, f"scan_{kernel}_{_CPU_HASH}", BLOCKS=blocks, OUT_BITS=kernel == "bf16")
-        _drivers[kernel] = njit(parallel=True, **_SERIAL)(scan)
-    return _drivers[kernel]
+            kernel = registry.KERNELS[qtype]
+            name, out_bits = kernel.name, kernel.out_bits
+            blocks = njit(**_SERIAL)(_renamed(kernel.plain().py_func, f"{name}_serial"))
+        scan = _renamed(_scan_rows, f"scan_{name}_{_SOURCE_HASH}", BLOCKS=blocks, OUT_BITS=out_bits)
+        _drivers[qtype] = njit(parallel=True, **_SERIAL)(scan)
+    return _drivers[qtype]
 
 
-def scan_rows(kernel: str, src2d: np.ndarray, row_elements: int, tables: tuple, block_bytes: int,
+def scan_rows(qtype: Q, src2d: np.ndarray, row_elements: int, tables: tuple, block_bytes: int,
               scale_offsets: tuple[int, ...]) -> np.ndarray:
     """Per-row statistics ``(n_rows, COLUMNS)`` float64 of raw rows ``src2d`` (uint8, 2-D).
 
@@ -151,5 +150,5 @@ def scan_rows(kernel: str, src2d: np.ndarray, row_elements: int, tables: tuple, 
         # numba.get_num_threads() inside the driver would make it uncacheable (a runtime pointer)
         n_tasks = min(src2d.shape[0], 16 * numba.get_num_threads())
         offsets = np.asarray(scale_offsets, dtype=np.int64)
-        driver(kernel)(src2d, row_elements, tables, block_bytes, offsets, n_tasks, out)
+        driver(qtype)(src2d, row_elements, tables, block_bytes, offsets, n_tasks, out)
     return out

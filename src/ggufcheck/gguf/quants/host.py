@@ -1,6 +1,8 @@
 """CPU dequantization: route each type to its numba kernel, or to gguf-py when numba is absent.
 
-Why a separate module: the kernels (``cpu.py``) need numba; this file works without it.
+Why a separate module: the kernels (``kernels/``) need numba; this file works without it. Which
+kernel serves a type is ``registry.KERNELS``; outputs past twice the last-level cache take the
+type's streaming-store variant where it has one (``registry.streams``).
 If numba is missing, a kernel fails to compile, or ``GGUFCHECK_DEQUANT=gguf-py`` is set, the
 call falls back to gguf-py's numpy code (bit-exact by definition, just slow) and
 :func:`cpu_path` says which path a type takes and why.
@@ -10,73 +12,16 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
-from typing import Callable
-
 import gguf
 import numpy as np
 
-from ggufcheck.gguf.quants import tables
+from ggufcheck.gguf.quants import registry, tables
+from ggufcheck.gguf.quants.registry import KERNELS
 
 Q = gguf.GGMLQuantizationType
 
 FORCE_ENV = "GGUFCHECK_DEQUANT"  # "gguf-py" forces the reference path everywhere
 
-
-@dataclass(frozen=True)
-class Kernel:
-    """One CPU kernel: its name in ``cpu.py`` and the lookup tables it takes after (src, out)."""
-
-    name: str
-    tables: Callable[[], tuple[np.ndarray, ...]] = lambda: (tables.f16_to_f32(),)
-
-
-def _f16_and(*extra: Callable[[], np.ndarray]) -> Callable[[], tuple[np.ndarray, ...]]:
-    return lambda: (tables.f16_to_f32(), *(make() for make in extra))
-
-
-def _iq4() -> np.ndarray:
-    return tables.IQ4_LEVELS.astype(np.float32)
-
-
-def _fp4() -> np.ndarray:
-    return tables.FP4_LEVELS.astype(np.float32)
-
-
-def _grid(qtype: Q) -> Callable[[], np.ndarray]:
-    return lambda: tables.grid(qtype)
-
-
-_POW3 = lambda: np.array([1, 3, 9, 27, 81], dtype=np.int32)  # noqa: E731
-
-# qtype -> kernel; one row per type gguf-py dequantizes (F32 is a plain copy)
-KERNELS: dict[Q, Kernel] = {
-    Q.F16: Kernel("f16"),
-    Q.BF16: Kernel("bf16", lambda: ()),
-    Q.Q4_0: Kernel("q4_0"),
-    Q.Q4_1: Kernel("q4_1"),
-    Q.Q5_0: Kernel("q5_0"),
-    Q.Q5_1: Kernel("q5_1"),
-    Q.Q8_0: Kernel("q8_0"),
-    Q.Q2_K: Kernel("q2_k"),
-    Q.Q3_K: Kernel("q3_k"),
-    Q.Q4_K: Kernel("q4_k"),
-    Q.Q5_K: Kernel("q5_k"),
-    Q.Q6_K: Kernel("q6_k"),
-    Q.TQ1_0: Kernel("tq1_0", _f16_and(_POW3)),
-    Q.TQ2_0: Kernel("tq2_0"),
-    Q.MXFP4: Kernel("mxfp4", lambda: (tables.e8m0_half_to_f32(), _fp4())),
-    Q.NVFP4: Kernel("nvfp4", lambda: (tables.ue4m3_half_to_f32(), _fp4())),
-    Q.IQ2_XXS: Kernel("iq2_xxs", _f16_and(_grid(Q.IQ2_XXS), tables.ksigns)),
-    Q.IQ2_XS: Kernel("iq2_xs", _f16_and(_grid(Q.IQ2_XS), tables.ksigns)),
-    Q.IQ2_S: Kernel("iq2_s", _f16_and(_grid(Q.IQ2_S))),
-    Q.IQ3_XXS: Kernel("iq3_xxs", _f16_and(_grid(Q.IQ3_XXS), tables.ksigns)),
-    Q.IQ3_S: Kernel("iq3_s", _f16_and(_grid(Q.IQ3_S))),
-    Q.IQ1_S: Kernel("iq1_s", _f16_and(_grid(Q.IQ1_S))),
-    Q.IQ1_M: Kernel("iq1_m", _f16_and(_grid(Q.IQ1_M))),
-    Q.IQ4_NL: Kernel("iq4_nl", _f16_and(_iq4)),
-    Q.IQ4_XS: Kernel("iq4_xs", _f16_and(_iq4)),
-}
 
 _broken: dict[Q, str] = {}  # types whose kernel failed to compile or run -> why
 _broken_fused: dict[Q, str] = {}  # same, for the fused health-scan pass
@@ -146,25 +91,18 @@ def _run_kernel(qtype: Q, src: np.ndarray, out: np.ndarray) -> bool:
     """Run the numba kernel; on a compile/run failure remember why and return False."""
     spec = KERNELS[qtype]
     try:
-        from ggufcheck.gguf.quants import cpu
-
         _prefer_workqueue()
         if qtype not in _table_cache:
             _table_cache[qtype] = spec.tables()
-        kernel = getattr(cpu, spec.name)
+        kernel = spec.plain()
         with _kernel_lock:
-            if qtype not in _broken_streaming and _streams(qtype, out):
-                from ggufcheck.gguf.quants import streaming
-
+            if qtype not in _broken_streaming and registry.streams(qtype, out):
                 try:
-                    streaming.KERNELS[qtype](src, out, *_table_cache[qtype], _stream_tasks())
+                    spec.streamer()(src, out, *_table_cache[qtype], _stream_tasks())
                     return True
                 except Exception as err:  # the plain kernel below still serves the type
                     _broken_streaming[qtype] = f"streaming kernel failed: {type(err).__name__}: {err}"[:240]
-            if qtype == Q.BF16:
-                kernel(src, out.view(np.uint32))
-            else:
-                kernel(src, out, *_table_cache[qtype])
+            kernel(src, out.view(np.uint32) if spec.out_bits else out, *_table_cache[qtype])
         return True
     except Exception as err:  # numba TypingError / LoweringError, llvmlite failures
         _broken[qtype] = f"numba kernel failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
@@ -185,23 +123,15 @@ def fused_row_stats(raw2d: np.ndarray, qtype: Q, scale_offsets: tuple[int, ...])
         from ggufcheck.gguf.quants import fused
 
         _prefer_workqueue()
-        kernel = "f32" if qtype == Q.F32 else KERNELS[qtype].name
         if qtype != Q.F32 and qtype not in _table_cache:
             _table_cache[qtype] = KERNELS[qtype].tables()
         tabs = () if qtype == Q.F32 else _table_cache[qtype]
         src = np.ascontiguousarray(raw2d)
         with _kernel_lock:
-            return fused.scan_rows(kernel, src, src.shape[1] // size * block, tabs, size, scale_offsets)
+            return fused.scan_rows(qtype, src, src.shape[1] // size * block, tabs, size, scale_offsets)
     except Exception as err:  # numba TypingError / LoweringError, llvmlite failures
         _broken_fused[qtype] = f"fused scan failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
         return None
-
-
-def _streams(qtype: Q, out: np.ndarray) -> bool:
-    """Whether ``out`` is large and aligned enough for ``qtype``'s streaming-store kernel."""
-    from ggufcheck.gguf.quants import streaming
-
-    return streaming.applies(qtype, out)
 
 
 def _stream_tasks() -> int:
