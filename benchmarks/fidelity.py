@@ -1,7 +1,7 @@
 """Verdict fidelity: the false-alarm rate on healthy engines and the detection rate on the
 fault catalogue, measured side by side in one run.
 
-Healthy: tiny models of several architectures and seeds (``testing.tiny.build_tiny_gguf``,
+Healthy: tiny models of several architectures and seeds (``synthetic.tiny.build_tiny_gguf``,
 F32 and Q8_0) served by the fp32 reference engine, transformers (``hf``) and llama.cpp on
 this CPU; every ``diagnose`` must say healthy. Faults: every entry of
 ``testing.faults.FAULTS`` on every tiny architecture it applies to; the verdict must name the
@@ -26,7 +26,7 @@ from pathlib import Path
 from ggufcheck.diagnose.plan import DiagnoseOptions, diagnose
 from ggufcheck.errors import GGUFCheckError
 from ggufcheck.testing.faults import FAULTS, fault_layer, make_faulty_engine
-from ggufcheck.testing.tiny import build_tiny_gguf
+from ggufcheck.synthetic.tiny import build_tiny_gguf
 
 ARCHS = ("llama", "qwen2", "phi3", "gemma3", "qwen3moe", "gpt-oss", "deepseek2", "glm4moe", "glm-dsa")
 ENGINES = ("reference", "hf", "llama-cpp")

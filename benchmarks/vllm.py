@@ -1,7 +1,7 @@
 """Time to verdict through the real vLLM at TP 1 and TP 2, split into engine start-up and
 ggufcheck's own time, measured side by side in one run.
 
-The model is a tiny qwen2 (``ggufcheck.testing.tiny``: 2 layers, hidden 256, 4 heads / 2 KV
+The model is a tiny qwen2 (``ggufcheck.synthetic.tiny``: 2 layers, hidden 256, 4 heads / 2 KV
 heads of 64, F32, so vLLM loads it healthy at both sizes). For each TP size the engine is
 started once (``startup``), then ``diagnose`` runs every stage against it (``weights``,
 ``layers``, ``served``: ggufcheck's side, including vLLM's forward passes it asks for).
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ggufcheck.diagnose.plan import DiagnoseOptions, diagnose
 from ggufcheck.engines.vllm import VllmEngine, VllmOptions
-from ggufcheck.testing.tiny import build_tiny_gguf
+from ggufcheck.synthetic.tiny import build_tiny_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,7 +6,7 @@
   transformers, the llama.cpp source or the SmolLM2 vocabulary is unavailable; a conversion
   that runs and fails is an error, not a skip.
 - ``tiny_gguf(arch, **kwargs)`` / ``tiny_split(arch, n_split, **kwargs)``: files from our own
-  writer (:mod:`ggufcheck.testing.tiny`) in a fresh temporary directory per call.
+  writer (:mod:`ggufcheck.synthetic.tiny`) in a fresh temporary directory per call.
 - ``smollm2_path`` / ``gemma3_path``: the real registry models (skip if not installed).
 """
 
@@ -40,7 +40,7 @@ def tiny_converted():
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory):
     """tiny_gguf(arch, name=None, **build_tiny_gguf kwargs) -> TinyGGUF in a new temp dir."""
-    from ggufcheck.testing.tiny import build_tiny_gguf
+    from ggufcheck.synthetic.tiny import build_tiny_gguf
 
     counter = itertools.count()
 
@@ -55,7 +55,7 @@ def tiny_gguf(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_split(tmp_path_factory):
     """tiny_split(arch, n_split=2, **kwargs) -> TinyGGUF whose .paths are the split files."""
-    from ggufcheck.testing.tiny import build_tiny_split
+    from ggufcheck.synthetic.tiny import build_tiny_split
 
     counter = itertools.count()
 

@@ -25,7 +25,7 @@ def test_exported_checkpoint_matches_the_reference(arch, tmp_path):
 
     from ggufcheck.arch.export import export_checkpoint
     from ggufcheck.engines.reference import ReferenceEngine
-    from ggufcheck.testing.tiny import build_tiny_gguf
+    from ggufcheck.synthetic.tiny import build_tiny_gguf
 
     model = build_tiny_gguf(arch, tmp_path / f"{arch}.gguf", qtypes="Q8_0", seed=2).path
     out = tmp_path / "ckpt"

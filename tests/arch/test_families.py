@@ -21,7 +21,8 @@ from ggufcheck.arch.tables import table_for
 def test_every_family_is_complete(arch, tiny_gguf):
     from ggufcheck.gguf.reader import open_gguf
     from ggufcheck.reference.model import ReferenceModel
-    from ggufcheck.testing import convert, tiny
+    from ggufcheck.synthetic import tiny
+    from ggufcheck.testing import convert
 
     fam = FAMILIES[arch]
     assert table_for(arch) is not None and table_for(arch).arch == arch

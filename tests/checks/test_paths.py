@@ -78,7 +78,7 @@ def _diagnose_kv_fault(after):
     """Diagnose (defaults) a tiny llama whose KV cache goes wrong from decode step ``after``."""
     from ggufcheck.diagnose.plan import DiagnoseOptions, diagnose
     from ggufcheck.testing.faults import make_faulty_engine
-    from ggufcheck.testing.tiny import build_tiny_gguf
+    from ggufcheck.synthetic.tiny import build_tiny_gguf
     import tempfile
     from pathlib import Path
 
@@ -146,7 +146,7 @@ def test_a_prefill_fault_past_the_prompts_is_found_on_the_long_sequence_and_its_
 
     from ggufcheck.diagnose.plan import DiagnoseOptions, diagnose
     from ggufcheck.engines.reference import ReferenceEngine
-    from ggufcheck.testing.tiny import build_tiny_gguf
+    from ggufcheck.synthetic.tiny import build_tiny_gguf
 
     class PrefillWrongFrom(WrappedEngine):
         def corrupt(self, table):

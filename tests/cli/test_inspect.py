@@ -8,7 +8,7 @@ import json
 from ggufcheck.cli import main
 from ggufcheck.gguf.reader import open_gguf
 from ggufcheck.testing import filefaults
-from ggufcheck.testing.tiny import build_tiny_gguf
+from ggufcheck.synthetic.tiny import build_tiny_gguf
 
 
 def _inspect(path, tmp_path, *extra):

@@ -8,7 +8,7 @@ import pytest
 
 from ggufcheck.cli import main
 from ggufcheck.errors import ExitStatus
-from ggufcheck.testing.tiny import build_tiny_gguf
+from ggufcheck.synthetic.tiny import build_tiny_gguf
 
 
 @pytest.fixture(scope="module")

@@ -49,7 +49,7 @@ def test_hf_moe_weights_are_audited_in_transformers_layout_and_an_expert_swap_is
 
     from ggufcheck.diagnose.plan import DiagnoseOptions, diagnose
     from ggufcheck.engines.hf import HFEngine
-    from ggufcheck.testing.tiny import build_tiny_gguf
+    from ggufcheck.synthetic.tiny import build_tiny_gguf
 
     model = build_tiny_gguf("glm4moe", tmp_path / "g.gguf", qtypes="F32", seed=1).path
     engine = HFEngine.from_gguf(model)

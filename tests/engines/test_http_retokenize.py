@@ -98,7 +98,7 @@ def test_llama_cpp_dialects_take_the_activation_class_from_the_file(tmp_path, qt
     """The baseline allowance of a llama.cpp server follows the served file's weight types and
     the servers' default f16 KV cache (a server does not report its cache type), and so does
     the baseline run's emulation (Capabilities.rounding)."""
-    from ggufcheck.testing.tiny import build_tiny_gguf
+    from ggufcheck.synthetic.tiny import build_tiny_gguf
 
     server = serve([])
     try:
@@ -119,7 +119,7 @@ def test_llama_cpp_dialects_take_the_activation_class_from_the_file(tmp_path, qt
 def test_a_llama_cpp_server_on_cuda_rounds_as_cuda_does(tmp_path, backend, rounding):
     """A server does not say where its matmuls run: ``backend=cuda`` says they run on CUDA, so
     a Q4_1 file's baseline takes CUDA's q8_1 block sums (docs/real-world-cases.md case 4)."""
-    from ggufcheck.testing.tiny import build_tiny_gguf
+    from ggufcheck.synthetic.tiny import build_tiny_gguf
 
     server = serve([])
     try:

@@ -78,7 +78,7 @@ def test_f32_models_are_healthy_under_the_contexts_own_precision(tmp_path, spec,
     flash attention): an F32 file with an F32 KV cache is held to fp32 and passes it."""
     from ggufcheck.diagnose.plan import DiagnoseOptions, diagnose
     from ggufcheck.engines.spec import open_engine
-    from ggufcheck.testing.tiny import build_tiny_gguf
+    from ggufcheck.synthetic.tiny import build_tiny_gguf
 
     model = build_tiny_gguf("llama", tmp_path / "f32.gguf", qtypes="F32", seed=0).path
     with open_engine(spec, model) as engine:
@@ -95,7 +95,7 @@ def test_a_context_llama_cpp_refuses_is_one_line_exit_2(tmp_path):
     import subprocess
     import sys
 
-    from ggufcheck.testing.tiny import build_tiny_gguf
+    from ggufcheck.synthetic.tiny import build_tiny_gguf
 
     model = build_tiny_gguf("llama", tmp_path / "f32.gguf", qtypes="F32", seed=0).path
     proc = subprocess.run([sys.executable, "-m", "ggufcheck", "diagnose", str(model), "--engine",

@@ -49,7 +49,7 @@ def vllm_python() -> str:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from ggufcheck.testing.tiny import build_tiny_gguf
+    from ggufcheck.synthetic.tiny import build_tiny_gguf
 
     root = tmp_path_factory.mktemp("vllm-models")
     out = {}
@@ -401,7 +401,7 @@ DS2 = dict(n_layer=2, n_embd=256, n_head=4, kv_lora_rank=512, qk_rope=64, qk_nop
 
 @pytest.fixture(scope="module")
 def deepseek2(tmp_path_factory):
-    from ggufcheck.testing.tiny import build_tiny_gguf
+    from ggufcheck.synthetic.tiny import build_tiny_gguf
 
     return build_tiny_gguf("deepseek2", tmp_path_factory.mktemp("ds2") / "ds2.gguf", qtypes="F32", seed=1, **DS2).path
 

@@ -87,7 +87,7 @@ def test_indexer_top_k_matches_transformers(arch, tiny, hf_run, prompt):
         for t in range(top_k, len(tokens)):  # rows that see more than top_k keys, ties included
             assert set(hf.indexers[i][t].tolist()) == set(trace.layers[i].topk[t].tolist()), (i, t)
     # the prompt exercises exact ties too (both sides break them by the lower key index) where
-    # the indexer has 4 heads (glm-dsa-shared); the 16-head glm-dsa has none (testing.tiny)
+    # the indexer has 4 heads (glm-dsa-shared); the 16-head glm-dsa has none (synthetic.tiny)
     if arch == "glm-dsa-shared":
         assert any(bool(trace.layers[i].topk_ties.any()) for i in full_layers)
     shared = [i for i, layer in enumerate(trace.layers) if not layer.topk_full]

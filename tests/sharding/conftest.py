@@ -2,7 +2,7 @@
 
 The converted tiny models (llama.cpp's converter) have 4 heads, so TP 8 is a plan FAIL for
 them (a test of its own). For numeric runs at TP 8 we write 8-head models with
-ggufcheck.testing.tiny (n_vocab 500: padded to 512 = 8 x 64, so rank 7 holds 12 padding
+ggufcheck.synthetic.tiny (n_vocab 500: padded to 512 = 8 x 64, so rank 7 holds 12 padding
 rows), in Q8_0 so the weights go through real dequantization.
 """
 

@@ -2,7 +2,7 @@
 
 For every architecture the converted file (transformers' model run through llama.cpp's
 convert_hf_to_gguf.py) must have exactly the tensor names and numpy shapes, and exactly the
-``{arch}.*`` metadata keys, value types and values, that ggufcheck.testing.tiny computes
+``{arch}.*`` metadata keys, value types and values, that ggufcheck.synthetic.tiny computes
 from the same dimensions. Then the converted data is checked against the HF checkpoint
 for the tensors whose layout is a plain copy, a stack or the kv_b split.
 
@@ -22,7 +22,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from ggufcheck.testing import convert
-from ggufcheck.testing.tiny import metadata, tensor_shapes, tiny_dims
+from ggufcheck.synthetic.tiny import metadata, tensor_shapes, tiny_dims
 
 pytestmark = pytest.mark.hf
 

@@ -7,7 +7,7 @@ layers (layer 0 dense, layer 1 MoE; GLM-5 has 3 dense + 75 MoE), no NextN layer,
 experts instead of 256 (8 used, as GLM-5), vocabulary 900 instead of 154880 (the builder's
 byte-level vocab has at most 959 tokens). Every 2-D tensor Q8_0 (where rows allow), 1-D F32.
 
-Same bytes as ggufcheck.testing.tiny.build_tiny_gguf(dims, qtypes="Q8_0") (same per-tensor
+Same bytes as ggufcheck.synthetic.tiny.build_tiny_gguf(dims, qtypes="Q8_0") (same per-tensor
 seeds and code), but the tensors are generated and quantized on a thread pool: numpy's
 generators and array kernels release the GIL. ``--check-small`` builds a small config both
 ways and compares the bytes.
@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ggufcheck.arch.known import glm5_metadata
-from ggufcheck.testing import qblocks, tiny
+from ggufcheck.synthetic import qblocks, tiny
 
 
 def glm5_dims(**overrides) -> tiny.TinyDims:

@@ -46,17 +46,17 @@ export LLAMA_CPP_LIB_PATH=$B/bin
 python3 -c "import llama_cpp; print('gpu offload:', llama_cpp.llama_supports_gpu_offload()); print(llama_cpp.llama_print_system_info().decode())"
 
 if has probe; then  # does llama-cpp-python run the CUDA library in process, and next to torch?
-  python3 -c "from ggufcheck.testing.tiny import build_tiny_gguf as b; b('llama', '/tmp/l20/models/llama-q4k.gguf', qtypes='Q4_K', n_embd=256, head_dim=64, n_ff=512)"
+  python3 -c "from ggufcheck.synthetic.tiny import build_tiny_gguf as b; b('llama', '/tmp/l20/models/llama-q4k.gguf', qtypes='Q4_K', n_embd=256, head_dim=64, n_ff=512)"
   TAILN=200 step 200 probe python3 tools/gpu/probe_in_process.py /tmp/l20/models/llama-q4k.gguf
 fi
 
 if has probechild; then  # without torch: which of ggufcheck's settings crash the CUDA library?
-  python3 -c "from ggufcheck.testing.tiny import build_tiny_gguf as b; b('llama', '/tmp/l20/models/llama-q4k.gguf', qtypes='Q4_K', n_embd=256, head_dim=64, n_ff=512)"
+  python3 -c "from ggufcheck.synthetic.tiny import build_tiny_gguf as b; b('llama', '/tmp/l20/models/llama-q4k.gguf', qtypes='Q4_K', n_embd=256, head_dim=64, n_ff=512)"
   TAILN=60 step 90 probechild python3 tools/gpu/probe_child.py /tmp/l20/models/llama-q4k.gguf
 fi
 
 if has chunklead; then  # the cuBLAS-f32 chunked-prefill lead: which path, which layer (chunk_lead.py)
-  python3 -c "from ggufcheck.testing.tiny import build_tiny_gguf as b; b('deepseek2', '/tmp/l20/models/ds2-q4k.gguf', seed=3, qtypes='Q4_K', n_embd=256, n_ff_exp=256, n_ff=512)"
+  python3 -c "from ggufcheck.synthetic.tiny import build_tiny_gguf as b; b('deepseek2', '/tmp/l20/models/ds2-q4k.gguf', seed=3, qtypes='Q4_K', n_embd=256, n_ff_exp=256, n_ff=512)"
   D="python3 -m ggufcheck diagnose --no-sanity --no-kernels --sweep-to 0"
   step 60 chunk-ds2-f32 env GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32 $D $W/models/ds2-q4k.gguf --engine llama-cpp:n_gpu_layers=99 --json $W/chunk-ds2-f32.json
   TAILN=80 step 90 chunklead-f32 env GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32 python3 tools/gpu/chunk_lead.py $W/models/ds2-q4k.gguf --chunk 5
@@ -65,7 +65,7 @@ fi
 
 if has families; then  # every family's tiny model through the CUDA backend (Q4_K; gpt-oss also MXFP4 experts)
   python3 - <<'EOF2'
-from ggufcheck.testing.tiny import build_tiny_gguf as b
+from ggufcheck.synthetic.tiny import build_tiny_gguf as b
 d = dict(seed=3, n_embd=256, n_ff=512, n_ff_exp=256)
 for arch in ("llama", "qwen2", "phi3", "gemma3", "qwen3moe", "gpt-oss", "deepseek2", "glm4moe", "glm-dsa"):
     b(arch, f"/tmp/l20/models/fam-{arch}.gguf", qtypes="Q4_K", **d)
@@ -84,7 +84,7 @@ if has matrix3; then  # the matrix without / with flash attention, and with a Q8
 fi
 
 if has hfprof; then  # issue 20's hf lead: where the time of a tiny model's bf16 CUDA diagnose goes
-  python3 -c "from ggufcheck.testing.tiny import build_tiny_gguf as b; b('glm-dsa', '/tmp/l20/models/dsa7.gguf', seed=7, qtypes='Q8_0', n_ff_exp=64)"
+  python3 -c "from ggufcheck.synthetic.tiny import build_tiny_gguf as b; b('glm-dsa', '/tmp/l20/models/dsa7.gguf', seed=7, qtypes='Q8_0', n_ff_exp=64)"
   step 150 hfprof python3 -m cProfile -o $W/hfprof.prof -m ggufcheck diagnose $W/models/dsa7.gguf --engine hf:bf16@cuda --device 0 --no-sanity --sweep-to 0 --json $W/hfprof.json
   python3 - "$W/hfprof.json" <<'EOF2'
 import json, sys
@@ -104,7 +104,7 @@ fi
 
 if has recheck; then  # the second call: the first call's open rows, after the fixes they led to
   python3 - <<'EOF2'
-from ggufcheck.testing.tiny import build_tiny_gguf as b
+from ggufcheck.synthetic.tiny import build_tiny_gguf as b
 d = dict(seed=3, n_embd=256, n_ff=512, n_ff_exp=256)
 b("deepseek2", "/tmp/l20/models/ds2-q4k.gguf", qtypes="Q4_K", **d)
 for arch in ("qwen2", "phi3", "glm4moe"):
@@ -126,7 +126,7 @@ fi
 
 if has recheck2; then  # router ids read from ffn_moe_argsort; Q2_K with a q8_0 K cache without flash attention
   python3 - <<'EOF2'
-from ggufcheck.testing.tiny import build_tiny_gguf as b
+from ggufcheck.synthetic.tiny import build_tiny_gguf as b
 d = dict(seed=3, n_embd=256, n_ff=512, n_ff_exp=256)
 b("deepseek2", "/tmp/l20/models/ds2-q4k.gguf", qtypes="Q4_K", **d)
 b("glm4moe", "/tmp/l20/models/fam-glm4moe.gguf", qtypes="Q4_K", **d)
@@ -182,7 +182,7 @@ if has reallead; then  # the SmolLM2 lead (which layer / block makes CUDA prefil
   # the MoE chunked leads: the chunked path's MoE output is wrong at one token (same experts chosen);
   # chunks of 2..8 tokens take the matrix-vector MUL_MAT_ID kernels on sm_90, 9 the matrix-matrix ones
   python3 - <<'EOF2'
-from ggufcheck.testing.tiny import build_tiny_gguf as b
+from ggufcheck.synthetic.tiny import build_tiny_gguf as b
 d = dict(seed=3, n_embd=256, n_ff=512, n_ff_exp=256)
 b("deepseek2", "/tmp/l20/models/ds2-q4k.gguf", qtypes="Q4_K", **d)
 b("glm4moe", "/tmp/l20/models/fam-glm4moe.gguf", qtypes="Q4_K", **d)
@@ -223,7 +223,7 @@ fi
 
 if has lead; then  # issue 20's lead: tiny deepseek2 Q4_K, prefill disagrees on CUDA, decode agrees
   python3 - <<'EOF'
-from ggufcheck.testing.tiny import build_tiny_gguf as b
+from ggufcheck.synthetic.tiny import build_tiny_gguf as b
 b('deepseek2', '/tmp/l20/models/ds2-q4k.gguf', seed=3, qtypes='Q4_K', n_embd=256, n_ff_exp=256, n_ff=512)
 b('deepseek2', '/tmp/l20/models/ds2-q80.gguf', seed=3, qtypes='Q8_0', n_embd=256, n_ff_exp=256, n_ff=512)
 b('glm-dsa', '/tmp/l20/models/dsa-q4k.gguf', seed=3, qtypes='Q4_K', n_embd=256, n_ff_exp=256, n_ff=512)
@@ -261,7 +261,7 @@ if has oldlead; then  # the lead's own files (random blocks before the spread fi
 fi
 
 if has hf; then  # issue 20's hf lead: tiny glm-dsa in bf16 on CUDA, and where its time goes
-  python3 -c "from ggufcheck.testing.tiny import build_tiny_gguf as b; b('glm-dsa', '/tmp/l20/models/dsa7.gguf', seed=7, qtypes='Q8_0', n_ff_exp=64)"
+  python3 -c "from ggufcheck.synthetic.tiny import build_tiny_gguf as b; b('glm-dsa', '/tmp/l20/models/dsa7.gguf', seed=7, qtypes='Q8_0', n_ff_exp=64)"
   step 120 hf-dsa7-bf16 python3 -m ggufcheck diagnose $W/models/dsa7.gguf --engine hf:bf16@cuda --device 0 --no-sanity --sweep-to 0 --json $W/hf-dsa7-bf16.json
 fi
 nvidia-smi --query-gpu=memory.used --format=csv,noheader

@@ -143,7 +143,7 @@ class MatrixRow:
 
 def build_model(qtype: str, folder: Path, seed: int = 0) -> Path:
     """The tiny llama model of one row: every 2-D layer weight and the head in ``qtype``."""
-    from ggufcheck.testing.tiny import build_tiny_gguf
+    from ggufcheck.synthetic.tiny import build_tiny_gguf
 
     path = folder / f"matrix-{qtype.lower()}.gguf"
     built = build_tiny_gguf("llama", path, qtypes=qtype, seed=seed, **MATRIX_DIMS)

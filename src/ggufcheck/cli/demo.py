@@ -42,7 +42,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ggufcheck.testing.faults import make_faulty_engine
-    from ggufcheck.testing.tiny import build_tiny_gguf
+    from ggufcheck.synthetic.tiny import build_tiny_gguf
     from ggufcheck.engines.reference import ReferenceEngine
 
     console = Console()

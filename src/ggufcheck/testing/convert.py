@@ -1,7 +1,7 @@
 """Tiny random transformers models, converted to GGUF by llama.cpp's OWN converter.
 
 This is one of two independent producers of test GGUFs (the other is
-:mod:`ggufcheck.testing.tiny`, which writes files directly). Files made here carry the
+:mod:`ggufcheck.synthetic.tiny`, which writes files directly). Files made here carry the
 authority of llama.cpp's ``convert_hf_to_gguf.py``: tensor names, shapes, the kv_b split,
 the llama q/k permutation and the metadata keys are whatever llama.cpp writes, so tests
 that compare ggufcheck's tables and HF rebuild against these files check ggufcheck against

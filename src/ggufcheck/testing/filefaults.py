@@ -26,7 +26,7 @@ import gguf
 from gguf import GGMLQuantizationType as Q, GGUFValueType as T
 
 from ggufcheck.errors import GGUFCheckError
-from ggufcheck.testing import qblocks
+from ggufcheck.synthetic import qblocks
 
 _SCALE_VALUES = {"nan": np.float16(np.nan), "inf": np.float16(np.inf),
                  "-inf": np.float16(-np.inf), "huge": np.float16(65504.0)}

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from ggufcheck.testing import qblocks
-from ggufcheck.testing.tiny import (ARCHS, metadata, random_weights, resolve_qtypes, tensor_shapes,
+from ggufcheck.synthetic import qblocks
+from ggufcheck.synthetic.tiny import (ARCHS, metadata, random_weights, resolve_qtypes, tensor_shapes,
                                     tiny_dims)
 
 
@@ -260,7 +260,7 @@ def test_qwen2_and_phi3_head_dim_follows_n_embd():
     reader takes head_dim = n_embd / n_head: a wider tiny model gets that head_dim (llama.cpp
     refused the file before: 'attn_q has wrong shape'), and a contradicting head_dim is refused."""
     from ggufcheck.errors import GGUFCheckError
-    from ggufcheck.testing.tiny import tiny_dims
+    from ggufcheck.synthetic.tiny import tiny_dims
 
     for arch in ("qwen2", "phi3"):
         d = tiny_dims(arch, n_embd=256)

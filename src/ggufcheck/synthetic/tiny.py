@@ -29,7 +29,7 @@ from gguf import GGUFValueType as T
 
 from ggufcheck.arch.families import archs
 from ggufcheck.errors import GGUFCheckError
-from ggufcheck.testing import qblocks
+from ggufcheck.synthetic import qblocks
 
 ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma3", "qwen3moe", "gpt-oss", "glm4moe", "deepseek2", "glm-dsa")
 _MOE_ARCHS = archs(moe=True)  # arch/families.py
