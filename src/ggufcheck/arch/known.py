@@ -1,7 +1,7 @@
 """Metadata of real large models, as llama.cpp's converter writes it, without the 400 GB files.
 
 The sharding checks plan TP 8 / 16 for GLM-5 and DeepSeek-V3, and tests check derived
-numbers (kq_scale, YaRN correction dims) against ``shared/docs/architectures.md``; both
+numbers (kq_scale, YaRN correction dims) against ``docs/architectures.md``; both
 need the real dimensions. Each function returns a fresh metadata dict with exactly the
 keys the converter writes for that model (conversion/deepseek.py DeepseekV2Model and
 conversion/glm.py GlmMoeDsaModel in llama.cpp), built from the numbers in

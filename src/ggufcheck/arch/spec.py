@@ -2,7 +2,7 @@
 
 Every later stage (tensor tables, HF rebuild, reference model, sharding plans) reads an
 :class:`ArchSpec` instead of metadata keys. It is built at exactly one boundary,
-:func:`build_spec`, which applies the defaults of ``shared/docs/architectures.md`` (and of
+:func:`build_spec`, which applies the defaults of ``docs/architectures.md`` (and of
 llama.cpp's loaders, cited where they decide) and checks the invariants there: head
 divisibility, MLA dims, NextN layer count, expert counts and groups, indexer layer types.
 

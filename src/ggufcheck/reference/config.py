@@ -1,7 +1,7 @@
 """The reference model's configuration: one frozen dataclass, built once per model.
 
 The facts come from the arch helper's frozen spec (``ggufcheck.arch.spec``), which applies
-the rules of ``shared/docs/architectures.md`` (defaults, NextN layers, gating defaults,
+the rules of ``docs/architectures.md`` (defaults, NextN layers, gating defaults,
 indexer layer types) at exactly one boundary; this module flattens it into the fields the
 forward pass reads and adds the reference's own options. Past this file there are no
 metadata dicts and no behaviour inferred from a dimension's value.

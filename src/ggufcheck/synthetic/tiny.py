@@ -2,7 +2,7 @@
 
 :mod:`ggufcheck.testing.convert` gets test files from llama.cpp's converter; this module
 writes them itself with ``gguf.GGUFWriter`` from the layout in
-/work/shared/docs/architectures.md and llama.cpp's ``load_arch_tensors`` (src/models/*.cpp).
+docs/architectures.md and llama.cpp's ``load_arch_tensors`` (src/models/*.cpp).
 No transformers, no converter: two producers that agree on names and shapes make the
 tables tested against them trustworthy. This module also gives what the converter cannot:
 any per-tensor quant type (K-quants and IQ types as random valid blocks), NextN layers,
