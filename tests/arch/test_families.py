@@ -42,7 +42,7 @@ def test_every_family_is_complete(arch, tiny_gguf):
 
 
 def test_the_family_lists_come_from_the_registry():
-    from ggufcheck.engines.hf import MODEL_TYPES
+    from ggufcheck.arch.hf_config import MODEL_TYPES
     from ggufcheck.reference.config import FAMILIES as REFERENCE_MODULES
     from ggufcheck.testing.faults import ALL_ARCHS, FAULTS
 

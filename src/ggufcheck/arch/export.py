@@ -4,7 +4,7 @@ Engines that cannot load a GGUF of some architecture (vLLM's GGUF plug-in refuse
 and glm4moe) can still serve the SAME weights from a checkpoint: this writes the checkpoint
 layout of :func:`ggufcheck.arch.rebuild.iter_hf_tensors` (the rebuild the ``hf`` engine and
 the weights audit use, verified against transformers and llama.cpp), a ``config.json`` from
-the architecture spec (``engines.hf.hf_config``), and a byte-level BPE ``tokenizer.json``
+the architecture spec (``arch.hf_config``), and a byte-level BPE ``tokenizer.json``
 built from the file's own vocabulary. What vLLM's loaders expect beyond transformers'
 config is added explicitly: ``topk_method: "noaux_tc"`` when the router has a selection bias
 (``e_score_correction_bias``), ``scoring_func`` from the gating function.
@@ -35,7 +35,7 @@ def export_config(spec: Any, names, metadata=None) -> dict[str, Any]:
         import transformers
     except ImportError as err:
         raise Unavailable(f"export needs transformers ({err})", tip="pip install 'ggufcheck[hf]'") from err
-    from ggufcheck.engines.hf import MODEL_TYPES, hf_config
+    from ggufcheck.arch.hf_config import MODEL_TYPES, hf_config
 
     if spec.arch not in MODEL_TYPES:
         raise Unavailable(f"no checkpoint config for architecture {spec.arch!r} (have: {', '.join(MODEL_TYPES)})")

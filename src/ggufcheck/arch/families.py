@@ -5,9 +5,9 @@ before reading its keys: which attention (GQA or MLA), MoE or not, a DSA indexer
 layers counted in ``block_count``, the main rope pairing, the router's gating when the file
 does not say, the reference module that runs it, its tensor table, and the transformers
 ``model_type`` that rebuilds it. The metadata rules (``arch/spec.py``), the tensor tables
-(``arch/tables/``), the reference (``reference/config.py``), the transformers engine
-(``engines/hf.py``) and the test builders (``testing/``) read these records instead of
-keeping their own lists, and ``tests/arch/test_families.py`` walks the registry so that a
+(``arch/tables/``), the reference (``reference/config.py``), the transformers config
+(``arch/hf_config.py``) and the tiny-model builders (``synthetic/``, ``testing/``) read these
+records instead of keeping their own lists, and ``tests/arch/test_families.py`` walks the registry so that a
 family cannot be half-added: each one needs its table rows, reference module, tiny builder
 dimensions, converter config and fault coverage.
 
