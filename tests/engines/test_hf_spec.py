@@ -65,3 +65,24 @@ def test_hf_moe_weights_are_audited_in_transformers_layout_and_an_expert_swap_is
     d = diagnose(opts, engine=engine)
     assert (d.verdict.stage, d.verdict.component, d.verdict.layer) == ("weights", "moe-experts", 2)
     engine.close()
+
+
+def test_a_file_transformers_cannot_express_is_unsupported_by_the_hf_engine(tmp_path):
+    """A softmax-routed deepseek2 (DeepSeek-V2): transformers' deepseek_v3 routes with sigmoid, so
+    arch.hf_config refuses it (Unavailable) and the engine says Unsupported, naming the router."""
+    pytest.importorskip("transformers")
+    from ggufcheck.arch.hf_config import hf_config
+    from ggufcheck.arch.spec import spec_for_model
+    from ggufcheck.engines.base import Unsupported
+    from ggufcheck.engines.hf import HFEngine
+    from ggufcheck.errors import Unavailable
+    from ggufcheck.gguf.reader import open_gguf
+    from ggufcheck.synthetic.tiny import build_tiny_gguf, tiny_dims
+
+    model = build_tiny_gguf(tiny_dims("deepseek2", gating_func=1), tmp_path / "v2.gguf", qtypes="F32").path
+    with open_gguf(model) as f:
+        spec, _ = spec_for_model(f)
+    with pytest.raises(Unavailable, match="sigmoid"):
+        hf_config(spec)
+    with pytest.raises(Unsupported, match="sigmoid"):
+        HFEngine.from_gguf(model)
