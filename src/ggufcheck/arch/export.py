@@ -26,7 +26,8 @@ from ggufcheck.errors import GGUFCheckError, Unavailable
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "glm4moe": "Glm4MoeForCausalLM", "deepseek2": "DeepseekV3ForCausalLM",
-                 "glm-dsa": "GlmMoeDsaForCausalLM"}
+                 "glm-dsa": "GlmMoeDsaForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM",
+                 "gemma3": "Gemma3ForCausalLM", "gpt-oss": "GptOssForCausalLM"}
 
 
 def export_config(spec: Any, names, metadata=None) -> dict[str, Any]:
@@ -37,8 +38,8 @@ def export_config(spec: Any, names, metadata=None) -> dict[str, Any]:
         raise Unavailable(f"export needs transformers ({err})", tip="pip install 'ggufcheck[hf]'") from err
     from ggufcheck.arch.hf_config import MODEL_TYPES, hf_config
 
-    if spec.arch not in MODEL_TYPES:
-        raise Unavailable(f"no checkpoint config for architecture {spec.arch!r} (have: {', '.join(MODEL_TYPES)})")
+    if spec.arch not in MODEL_TYPES or spec.arch not in ARCHITECTURES:
+        raise Unavailable(f"no checkpoint config for architecture {spec.arch!r} (have: {', '.join(ARCHITECTURES)})")
     config = transformers.AutoConfig.for_model(MODEL_TYPES[spec.arch], **hf_config(spec)).to_dict()
     config["architectures"] = [ARCHITECTURES[spec.arch]]
     config["torch_dtype"] = config["dtype"] = "float32"
