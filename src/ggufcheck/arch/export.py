@@ -24,11 +24,6 @@ import torch
 
 from ggufcheck.errors import GGUFCheckError, Unavailable
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "glm4moe": "Glm4MoeForCausalLM", "deepseek2": "DeepseekV3ForCausalLM",
-                 "glm-dsa": "GlmMoeDsaForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM",
-                 "gemma3": "Gemma3ForCausalLM", "gpt-oss": "GptOssForCausalLM"}
-
 
 def export_config(spec: Any, names, metadata=None) -> dict[str, Any]:
     """config.json for ``spec`` (``names``: the file's tensor names, for the router bias)."""
@@ -38,10 +33,14 @@ def export_config(spec: Any, names, metadata=None) -> dict[str, Any]:
         raise Unavailable(f"export needs transformers ({err})", tip="pip install 'ggufcheck[hf]'") from err
     from ggufcheck.arch.hf_config import MODEL_TYPES, hf_config
 
-    if spec.arch not in MODEL_TYPES or spec.arch not in ARCHITECTURES:
-        raise Unavailable(f"no checkpoint config for architecture {spec.arch!r} (have: {', '.join(ARCHITECTURES)})")
-    config = transformers.AutoConfig.for_model(MODEL_TYPES[spec.arch], **hf_config(spec)).to_dict()
-    config["architectures"] = [ARCHITECTURES[spec.arch]]
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = MODEL_TYPES.get(spec.arch)
+    causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)  # e.g. "DeepseekV3ForCausalLM"
+    if causal_lm is None:
+        raise Unavailable(f"no checkpoint config for architecture {spec.arch!r} (have: {', '.join(MODEL_TYPES)})")
+    config = transformers.AutoConfig.for_model(model_type, **hf_config(spec)).to_dict()
+    config["architectures"] = [causal_lm]
     config["torch_dtype"] = config["dtype"] = "float32"
     for key in ("bos", "eos"):
         value = (metadata or {}).get(f"tokenizer.ggml.{key}_token_id")
