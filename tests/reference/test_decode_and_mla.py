@@ -53,8 +53,38 @@ def test_streaming_equals_resident(tiny, prompt):
     path = tiny("glm-dsa").gguf_path
     with ReferenceModel(path, streaming=True) as s, ReferenceModel(path, streaming=False) as r:
         ts, tr = s.prefill(tokens), r.prefill(tokens)
-        assert not s.weights._layers and r.weights._layers  # streaming kept no layer
+        kept = [key[1] for key in s.weights.cache._items]
+        assert kept == ["output_norm.weight"] and r.weights.cache.used > 0  # streaming kept no layer tensor
     assert torch.equal(ts.logprobs, tr.logprobs)
+
+
+@pytest.mark.parametrize("arch", ["glm-dsa", "deepseek2", "gpt-oss", "gemma3"])
+def test_bounded_memory_paths_give_the_same_numbers(arch, tiny, prompt, monkeypatch):
+    """Per-expert reads, row-blocked matrices, query-blocked scores and a cache that keeps part
+    of the model (forced on a tiny model by shrinking their limits) give bit-identical traces."""
+    from ggufcheck.reference import layers, weights
+
+    tokens = prompt(24)
+    path = tiny(arch).gguf_path
+    with ReferenceModel(path, streaming=False) as r:
+        want = r.prefill(tokens)
+    monkeypatch.setattr(weights, "ROW_BLOCK_BYTES", 4096)  # every matrix over 4 KiB in blocks
+    monkeypatch.setattr(weights, "BLOCK_BYTES", 2048)  # of 2 KiB
+    monkeypatch.setattr(layers, "SCORES_BYTES", 512)  # a few query rows per score block
+    cache = weights.WeightCache(20_000)  # keeps a few small tensors, streams the rest
+    with ReferenceModel(path) as b:
+        b.weights.close()
+        b.weights = weights.WeightStore(b.gguf, b.dtype, b.device, cache=cache)
+        first = b.prefill(tokens)
+        got = b.prefill(tokens)  # the second pass reads what the cache kept
+        assert torch.equal(first.logprobs, got.logprobs)
+        kept = sum(t.numel() * t.element_size() for k, t in cache._items.items() if k[1].startswith("blk."))
+        assert 0 < kept <= 20_000 and cache.hits > 0  # (plus the always-kept output_norm)
+        assert isinstance(b.weights.layer(0)["attn_output.weight"], weights.RowBlocked)
+    assert torch.equal(got.logprobs, want.logprobs)
+    for a, c in zip(want.layers, got.layers):
+        assert torch.equal(a.hidden, c.hidden) and torch.equal(a.attn_out, c.attn_out)
+    assert cache.used == 0  # the last store over the file closed: its entries went
 
 
 @pytest.mark.parametrize("arch", ["glm4moe", "glm-dsa-shared"])

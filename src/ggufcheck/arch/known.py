@@ -76,6 +76,28 @@ def deepseek_v3_metadata() -> dict[str, Any]:
     return meta
 
 
+def kimi_k2_metadata() -> dict[str, Any]:
+    """Kimi-K2 (1T): DeepSeek-V3's architecture with 64 heads, 384 experts, one leading dense
+    layer, no expert groups, routed scale 2.827, rope base 50000 and YaRN factor 32 over 4096
+    (its config.json: n_routed_experts 384, first_k_dense_replace 1, vocab 163840)."""
+    arch = "deepseek2"
+    meta = _mla_keys(arch, n_embd=7168, n_block=61, n_head=64, q_lora=1536, kv_lora=512,
+                     nope=128, rope=64, v_head=128, n_ff=18432, vocab=163840, eps=1e-6,
+                     context=131072, base=50000.0)
+    meta.update(_moe_keys(arch, n_expert=384, n_used=8, n_shared=1, expert_ff=2048, dense=1,
+                          scale=2.827, n_group=1, n_group_used=1))
+    meta.update({
+        f"{arch}.expert_gating_func": 2,  # sigmoid
+        f"{arch}.rope.scaling.type": "yarn",
+        f"{arch}.rope.scaling.factor": 32.0,
+        f"{arch}.rope.scaling.original_context_length": 4096,
+        f"{arch}.rope.scaling.yarn_beta_fast": 1.0,
+        f"{arch}.rope.scaling.yarn_beta_slow": 1.0,
+        f"{arch}.rope.scaling.yarn_log_multiplier": 0.1,
+    })
+    return meta
+
+
 def glm5_metadata() -> dict[str, Any]:
     """GLM-5 (744B): 78 layers + 1 NextN, DSA indexer on every layer (no types key)."""
     arch = "glm-dsa"
@@ -106,11 +128,12 @@ KNOWN: dict[str, Callable[[], dict[str, Any]]] = {
     "deepseek-v3": deepseek_v3_metadata,
     "glm-5": glm5_metadata,
     "glm-5.2": glm5_2_metadata,
+    "kimi-k2": kimi_k2_metadata,
 }
 
 
 def known_spec(name: str) -> ArchSpec:
-    """The spec of a known model by name (``deepseek-v3``, ``glm-5``, ``glm-5.2``)."""
+    """The spec of a known model by name (``deepseek-v3``, ``glm-5``, ``glm-5.2``, ``kimi-k2``)."""
     spec = spec_from_metadata(KNOWN[name]())
     assert isinstance(spec, ArchSpec)
     return spec

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ggufcheck.reference.cache import LayerCache
 from ggufcheck.reference.config import ReferenceConfig
-from ggufcheck.reference.layers import apply_rope, causal_mask, layer_norm, linear
+from ggufcheck.reference.layers import apply_rope, causal_mask, layer_norm, linear, blocks_of
 
 Weights = dict[str, Tensor]
 
@@ -44,8 +44,9 @@ def index_scores(
     k = apply_rope(k[:, None, :], cos, sin, cfg.rope_mode)[:, 0]  # [T, Di]
     k_all = cache.extend("index_k", k)  # [S, Di]
     head_w = linear(x, w["indexer.proj.weight"]) * (cfg.indexer_heads**-0.5 * cfg.indexer_dim**-0.5)  # [T, Hi]
-    scores = torch.einsum("thd,sd->ths", q, k_all).relu()  # [T, Hi, S]
-    scores = torch.einsum("th,ths->ts", head_w, scores)  # [T, S]
+    blocks = blocks_of(n_tok, cfg.indexer_heads * k_all.shape[0] * x.element_size())
+    scores = torch.cat([torch.einsum("th,ths->ts", head_w[b], torch.einsum("thd,sd->ths", q[b], k_all).relu())
+                        for b in blocks])  # [T, S], from [Tb, Hi, S] per block
     return scores.masked_fill(~causal_mask(q_pos, k_pos), float("-inf"))
 
 

@@ -20,6 +20,7 @@ from torch import Tensor
 from ggufcheck.reference.config import ReferenceConfig, YarnConfig
 from ggufcheck.reference.precision import current as current_emulation
 from ggufcheck.reference.precision import gelu_tanh, round_as, unrounded_sums_error
+from ggufcheck.reference.weights import ExpertStack, RowBlocked
 
 # --- norms ---------------------------------------------------------------------------
 
@@ -91,6 +92,21 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, mode: str) -> Tensor:
 
 # --- attention -----------------------------------------------------------------------
 
+SCORES_BYTES = 256 << 20  # attention scores above this are computed a block at a time
+
+
+def blocks_of(n: int, bytes_each: int) -> list[slice]:
+    """Slices of ``n`` heads (or query rows) such that each block's scores stay under
+    SCORES_BYTES; one slice when all fit. Per head, a block computes the same matrix products
+    as the whole, so the values are exactly the same (blocks of query rows are too, except
+    blocks of very few rows, where BLAS may take another kernel: only the DSA indexer, whose
+    scores are summed over heads, is blocked by rows)."""
+    per_block = max(1, SCORES_BYTES // max(1, bytes_each))
+    if per_block >= n:
+        return [slice(0, n)]
+    return [slice(s, min(s + per_block, n)) for s in range(0, n, per_block)]
+
+
 
 def causal_mask(q_pos: Tensor, k_pos: Tensor, window: int = 0) -> Tensor:
     """[T, S] bool, True where query t may see key s (k_pos[s] <= q_pos[t]); with a sliding
@@ -115,6 +131,15 @@ def attention(
     group = n_head // n_kv
     k = k.repeat_interleave(group, dim=1)  # [S, H, d]
     v = v.repeat_interleave(group, dim=1)  # [S, H, dv]
+    blocks = blocks_of(n_head, q.shape[0] * k.shape[0] * q.element_size())  # [Hb, T, S] scores per block
+    if len(blocks) > 1:
+        return torch.cat([_attend(q[:, b], k[:, b], v[:, b], allowed, scale, None if sinks is None else sinks[b])
+                          for b in blocks], dim=1)
+    return _attend(q, k, v, allowed, scale, sinks)
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float, sinks: Tensor | None) -> Tensor:
+    """:func:`attention` after the kv heads are expanded: k, v [S, H, d]."""
     scores = torch.einsum("thd,shd->hts", q, k) * scale  # [H, T, S]
     scores = scores.masked_fill(~allowed[None], float("-inf"))
     if sinks is not None:
@@ -131,6 +156,12 @@ def attention(
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x [.., in] @ W[out, in].T (+ b): the GGUF [out, in] layout is torch's Linear layout.
     (Rounded as an engine's class would, while the reference emulates one: precision.py.)"""
+    if isinstance(weight, RowBlocked):  # too big to hold whole: a row block at a time (exact per column)
+        out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
+        for start, block in weight.blocks():
+            stop = start + block.shape[0]
+            out[..., start:stop] = linear(x, block, None if bias is None else bias[start:stop])
+        return out
     emulation = current_emulation()
     if emulation is None:
         return torch.nn.functional.linear(x, weight, bias)
@@ -283,7 +314,10 @@ def ffn_block(cfg: ReferenceConfig, w: dict[str, Tensor], x: Tensor, moe_layer: 
     ids, weights = route(x, w["ffn_gate_inp.weight"], w.get("exp_probs_b.bias"), cfg, gate_bias)
     if "ffn_gate_up_exps.weight" in w:
         gate_up = w["ffn_gate_up_exps.weight"]  # [E, 2F, D]
-        gate, up = gate_up[:, : cfg.n_ff_exp], gate_up[:, cfg.n_ff_exp :]  # [E, F, D] each
+        if isinstance(gate_up, ExpertStack):  # read per expert: each half's rows only
+            gate, up = gate_up.part(0, cfg.n_ff_exp), gate_up.part(cfg.n_ff_exp, 2 * cfg.n_ff_exp)
+        else:
+            gate, up = gate_up[:, : cfg.n_ff_exp], gate_up[:, cfg.n_ff_exp :]  # [E, F, D] each
     else:
         gate, up = w["ffn_gate_exps.weight"], w["ffn_up_exps.weight"]
     biases = (w.get("ffn_gate_exps.bias"), w.get("ffn_up_exps.bias"), w.get("ffn_down_exps.bias"))

@@ -20,7 +20,8 @@ from torch import Tensor
 
 from ggufcheck.reference.cache import LayerCache
 from ggufcheck.reference.config import ReferenceConfig
-from ggufcheck.reference.layers import apply_rope, linear, rms_norm
+from ggufcheck.reference.layers import apply_rope, blocks_of, linear, rms_norm
+from ggufcheck.reference.weights import materialize
 
 Weights = dict[str, Tensor]
 
@@ -32,7 +33,7 @@ def kv_b_split(cfg: ReferenceConfig, w: Weights) -> tuple[Tensor, Tensor]:
     """
     if "attn_k_b.weight" in w:
         return w["attn_k_b.weight"], w["attn_v_b.weight"]
-    kv_b = w["attn_kv_b.weight"].view(cfg.n_head, cfg.qk_nope + cfg.v_head, cfg.kv_lora_rank)  # [H, P+V, L]
+    kv_b = materialize(w["attn_kv_b.weight"]).view(cfg.n_head, cfg.qk_nope + cfg.v_head, cfg.kv_lora_rank)  # [H, P+V, L]
     k_b = kv_b[:, : cfg.qk_nope].transpose(1, 2)  # [H, L, P]
     v_b = kv_b[:, cfg.qk_nope :]  # [H, V, L]
     return k_b, v_b
@@ -97,5 +98,7 @@ def mla_attention(
     k_pe_all = cache.extend("k_pe", k_pe)  # [S, R]
     k_b, v_b = kv_b_split(cfg, w)
     attend = attend_absorbed if cfg.mla_form == "absorbed" else attend_naive
-    o = attend(q_nope, q_pe, c_all, k_pe_all, k_b, v_b, allowed, cfg.kq_scale)  # [T, H, V]
+    blocks = blocks_of(cfg.n_head, x.shape[0] * c_all.shape[0] * x.element_size())  # [Hb, T, S] scores per block
+    o = torch.cat([attend(q_nope[:, b], q_pe[:, b], c_all, k_pe_all, k_b[b], v_b[b], allowed, cfg.kq_scale)
+                   for b in blocks], dim=1)  # [T, H, V]
     return linear(o.reshape(x.shape[0], cfg.n_head * cfg.v_head), w["attn_output.weight"])

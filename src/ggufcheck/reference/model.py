@@ -10,8 +10,8 @@ gqa_moe.py, mla_moe.py) and the KV cache (cache.py). It offers
 - :meth:`ReferenceModel.run_layer`: ONE layer on given inputs (replay), for stages that
   bisect layers or compare an engine's per-layer states with the reference's.
 
-Arithmetic is fp32 or fp64 on CPU or CUDA; in streaming mode one layer's weights are in
-memory at a time.
+Arithmetic is fp32 or fp64 on CPU or CUDA; weights are dequantized per tensor (per expert)
+when a layer reads them and kept up to a shared budget (weights.py).
 """
 
 from __future__ import annotations
@@ -38,16 +38,6 @@ _ROPE_FIELDS = ("n_rot", "rope_base", "rope_base_swa", "rope_freq_scale", "yarn"
 HEAD_CHUNK_ROWS = 16384  # output-head rows dequantized at a time
 
 
-def _auto_streaming(model: GGUFModel, dtype: torch.dtype) -> bool:
-    """Stream when the dequantized model would not fit comfortably in half the memory."""
-    try:
-        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return True
-    n_elements = sum(t.n_elements for t in model.tensors.values())
-    return n_elements * torch.finfo(dtype).bits // 8 > avail // 2
-
-
 class ReferenceModel:
     """The reference forward pass over one GGUF model file.
 
@@ -55,7 +45,9 @@ class ReferenceModel:
         model: a path or an open :class:`GGUFModel` (never written).
         dtype: ``torch.float64`` (default) or ``torch.float32``, or "fp64" / "fp32".
         device: "cpu" or "cuda[:n]".
-        streaming: keep only one layer's weights in memory (None: decide from file size).
+        streaming: True keeps no dequantized weight once used, False keeps every one, None
+            (default) keeps them up to the process's shared weight cache budget
+            (``reference/weights.py``), shared with every other copy over the same file.
         options: config overrides, e.g. ``mla_form="absorbed"``, ``lora_norm_eps=1e-6``.
     """
 
@@ -72,7 +64,7 @@ class ReferenceModel:
         self.emulation: Emulation | None = options.pop("emulate", None)
         cfg = config_from_gguf(self.gguf.metadata, self.gguf.tensors, str(self.gguf.path))
         self.cfg: ReferenceConfig = cfg.with_options(**options) if options else cfg
-        self.streaming = _auto_streaming(self.gguf, self.dtype) if streaming is None else streaming
+        self.streaming = streaming
         self.weights = WeightStore(self.gguf, self.dtype, self.device, self.streaming)
         self.family = importlib.import_module(f"ggufcheck.reference.{self.cfg.family}")
         freq_factors = self.weights.global_tensor("rope_freqs.weight") if self.cfg.has_rope_freqs else None
@@ -199,6 +191,7 @@ class ReferenceModel:
         return torch.cat([self.forward([t], cache)[0] for t in tokens], dim=0)
 
     def close(self) -> None:
+        self.weights.close()
         self.gguf.close()
 
     def __enter__(self) -> "ReferenceModel":

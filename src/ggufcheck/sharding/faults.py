@@ -86,8 +86,8 @@ def kv_b_layout_patch(layout: KvBLayout, tp: int) -> Callable:
 
         k_b, v_b = kv_b_split(cfg, w)
         k_eff, v_eff = effective_k_b_v_b(k_b, v_b, tp, layout)
-        w = dict(w, **{"attn_k_b.weight": k_eff, "attn_v_b.weight": v_eff})
-        w.pop("attn_kv_b.weight", None)
-        return w
+        from ggufcheck.reference.weights import replace_weights
+
+        return replace_weights(w, drop=("attn_kv_b.weight",), **{"attn_k_b.weight": k_eff, "attn_v_b.weight": v_eff})
 
     return patch

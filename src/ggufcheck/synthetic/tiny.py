@@ -402,24 +402,42 @@ def _bytes_to_unicode() -> dict[int, str]:
     return chars
 
 
-def tokenizer_metadata(n_vocab: int) -> dict[str, tuple[Any, T]]:
-    """A tiny byte-level BPE ("gpt2") vocabulary of ``n_vocab`` tokens llama.cpp can load.
+_LETTERS = "etaoinshrdlcumwfgypbvkjxqz"
+_MERGE_LEVELS = 4  # 702 + 18,252 + 474,552 + ... merges: past every real vocabulary
 
-    256 byte tokens, then two-character merges of common letters (``Ġ`` = space), then
-    one control token ``<|endoftext|>`` (BOS = EOS) as the last id.
+
+def _merge_pairs(n: int) -> list[tuple[str, str]]:
+    """The first ``n`` merges (left, right), level by level: level 1 joins ``Ġ`` or a letter
+    with a letter; level k joins each level k-1 token with a letter."""
+    level = [(x, y) for x in "Ġ" + _LETTERS for y in _LETTERS]
+    out: list[tuple[str, str]] = []
+    for _ in range(_MERGE_LEVELS):
+        out.extend(level[: n - len(out)])
+        if len(out) >= n:
+            break
+        level = [(x + y, z) for x, y in level for z in _LETTERS]
+    return out
+
+
+def tokenizer_metadata(n_vocab: int) -> dict[str, tuple[Any, T]]:
+    """A byte-level BPE ("gpt2") vocabulary of ``n_vocab`` tokens llama.cpp can load.
+
+    256 byte tokens, then merges, then one control token ``<|endoftext|>`` (BOS = EOS) as the
+    last id. The merges come in levels: two-character merges of common letters first
+    (``Ġ`` = space: ``Ġt``, ``th``, ...), then each earlier token extended by one letter
+    (``Ġth`` + ``e``), so any size up to ~490,000 is a valid BPE whose merged tokens exist
+    (GLM-5's 154,880 included); vocabularies of up to 959 tokens are as they always were.
     """
     if n_vocab < 258:
         raise GGUFCheckError(f"n_vocab must be >= 258 for the byte-level vocabulary, got {n_vocab}")
     byte_chars = _bytes_to_unicode()
     tokens = [byte_chars[b] for b in range(256)]
-    letters = "etaoinshrdlcumwfgypbvkjxqz"
-    firsts = "Ġ" + letters
-    pairs = [(x, y) for x in firsts for y in letters]
     n_merges = n_vocab - 257
+    pairs = _merge_pairs(n_merges)
     if n_merges > len(pairs):
         raise GGUFCheckError(f"n_vocab must be <= {257 + len(pairs)} for the built-in vocabulary")
-    merges = [f"{x} {y}" for x, y in pairs[:n_merges]]
-    tokens += [x + y for x, y in pairs[:n_merges]]
+    merges = [f"{x} {y}" for x, y in pairs]
+    tokens += [x + y for x, y in pairs]
     tokens.append("<|endoftext|>")
     types = [int(gguf.TokenType.NORMAL)] * (len(tokens) - 1) + [int(gguf.TokenType.CONTROL)]
     eot = len(tokens) - 1

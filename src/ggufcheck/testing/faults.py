@@ -137,6 +137,9 @@ class PatchedWeightStore(WeightStore):
         self._cfg_of = cfg_of
         self._patched: dict[int, Weights] = {}
 
+    def lazy(self, name: str) -> Tensor:
+        return self.tensor(name)  # whole tensors, so that the fault's hooks see every one
+
     def tensor(self, name: str, rows: slice | None = None) -> Tensor:
         t = super().tensor(name, rows)
         if self.patch.tensor_hook is not None and rows is None:

@@ -16,6 +16,7 @@ from ggufcheck.arch.families import FAMILIES
 from ggufcheck.checks.layers.metrics import near_ties, rel_errors
 from ggufcheck.checks.layers.options import EPS_CANDIDATES
 from ggufcheck.checks.layers.replay import Replayer
+from ggufcheck.reference.weights import replace_weights
 
 
 def hypotheses_attention(cfg) -> list[tuple[str, str, dict | None, Callable | None]]:
@@ -45,7 +46,7 @@ def hypotheses_attention(cfg) -> list[tuple[str, str, dict | None, Callable | No
                     {"indexer_heads": 0}, None))
     if FAMILIES[cfg.arch].sinks:
         out.append(("attention", "the attention sinks (attn_sinks) left out of the softmax", None,
-                    lambda c, i, w: {k: v for k, v in w.items() if k != "attn_sinks.weight"}))
+                    lambda c, i, w: replace_weights(w, drop=("attn_sinks.weight",))))
     if cfg.swa_window:  # gemma3's and gpt-oss's local layers
         out.append(("attention", f"global attention in the sliding-window layers (the window of {cfg.swa_window} "
                                  "positions ignored)", {"swa_window": 0}, None))
@@ -64,7 +65,7 @@ def hypotheses_ffn(cfg, moe_layer: bool) -> list[tuple[str, str, dict | None, Ca
             out.append(("norm", f"RMSNorm eps {eps:g} instead of {cfg.rms_eps:.3g}", {"rms_eps": eps}, None))
     if moe_layer:
         out.append(("moe-router", "routing without the selection bias exp_probs_b", None,
-                    lambda c, i, w: {k: v for k, v in w.items() if k != "exp_probs_b.bias"}))
+                    lambda c, i, w: replace_weights(w, drop=("exp_probs_b.bias",))))
         other = "sigmoid" if cfg.gating == "softmax" else "softmax"
         how = f"{other} router gating instead of {cfg.gating}"
         if not cfg.gating_in_file:

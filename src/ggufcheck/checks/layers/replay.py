@@ -35,7 +35,7 @@ class Replayer:
 
         ref = self.ref
         cfg = ref.cfg if cfg is None else cfg
-        w = self.w if weights is None else weights(cfg, self.layer, dict(self.w))
+        w = self.w if weights is None else weights(cfg, self.layer, self.w)
         h = h_in.to(dtype=ref.dtype, device=ref.device)
         pos = torch.arange(h.shape[0], device=ref.device)
         shared = {} if shared_topk is None else {"topk": shared_topk.to(ref.device)}
@@ -46,7 +46,7 @@ class Replayer:
     def ffn(self, after_attn: Tensor, cfg=None, weights: Callable | None = None):
         ref = self.ref
         cfg = ref.cfg if cfg is None else cfg
-        w = self.w if weights is None else weights(cfg, self.layer, dict(self.w))
+        w = self.w if weights is None else weights(cfg, self.layer, self.w)
         with torch.no_grad():
             return ffn_parts(cfg, w, after_attn.to(dtype=ref.dtype, device=ref.device), self.layer)
 
