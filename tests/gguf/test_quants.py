@@ -205,3 +205,34 @@ def test_registry_names_every_kernel_once():
             if hasattr(obj, "py_func") and not name.startswith("_") and inspect.getmodule(obj.py_func) is module:
                 defined.add((family, name))
     assert defined == named
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed")
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
+def test_float64_output_is_the_float32_values_widened(qtype):
+    """The reference's fp64 weights come straight from the kernels (dequantize_into_f64): each
+    must equal gguf-py's float32 values widened, NaN / Inf / subnormal scales included; a type
+    without such a kernel says so (False) and dequant.dequantize_wide widens float32 itself."""
+    import torch
+
+    from ggufcheck.gguf.dequant import dequantize_wide
+    from ggufcheck.gguf.quants import host as quant_host
+
+    raw = samples.fuzz_blocks(qtype, 384, seed=int(qtype)).reshape(8, -1)
+    want = _oracle(raw, qtype).astype(np.float64)
+    out = np.empty(want.shape, np.float64)
+    if quant_host.dequantize_into_f64(raw, qtype, out):
+        assert np.array_equal(out.view(np.uint64), want.view(np.uint64)), qtype.name  # bit for bit, NaN payloads too
+    else:
+        assert qtype in (Q.F32, Q.BF16) or not quant_host.KERNELS.get(qtype), qtype.name
+
+    class _Model:  # the two methods dequantize_wide reads, over these rows
+        tensors = {"t": type("Info", (), {"qtype": qtype, "row_elements": want.shape[1], "n_rows": 8})()}
+
+        @staticmethod
+        def raw_rows(name, a, b):
+            return raw[a:b]
+
+    got = dequantize_wide(_Model(), "t", 2, 7)
+    assert got.dtype == torch.float64
+    assert np.array_equal(got.numpy().view(np.uint64), want[2:7].view(np.uint64))

@@ -85,6 +85,13 @@ def test_bounded_memory_paths_give_the_same_numbers(arch, tiny, prompt, monkeypa
     for a, c in zip(want.layers, got.layers):
         assert torch.equal(a.hidden, c.hidden) and torch.equal(a.attn_out, c.attn_out)
     assert cache.used == 0  # the last store over the file closed: its entries went
+    compact = weights.WeightCache(1 << 30, compact=True)  # float32 entries widened per read
+    with ReferenceModel(path) as c:
+        c.weights.close()
+        c.weights = weights.WeightStore(c.gguf, c.dtype, c.device, cache=compact)
+        c.prefill(tokens)
+        assert all(t.dtype == torch.float32 for k, t in compact._items.items() if k[1].startswith("blk."))
+        assert torch.equal(c.prefill(tokens).logprobs, want.logprobs)
 
 
 @pytest.mark.parametrize("arch", ["glm4moe", "glm-dsa-shared"])

@@ -53,9 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ggufcheck.runtime import configure
+    from ggufcheck.runtime import configure, keep_freed_memory
 
     configure()  # one thread budget for torch, numba and llama.cpp, before any of them loads
+    keep_freed_memory()  # big short-lived tensors reuse warm heap memory
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -37,11 +37,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ggufcheck.gguf.dequant import dequantize, dequantize_tensor
+from ggufcheck.gguf.dequant import dequantize, dequantize_tensor, dequantize_wide
 from ggufcheck.gguf.reader import GGUFModel, TensorInfo
 
-ROW_BLOCK_BYTES = 256 << 20  # a matrix larger than this (working dtype) is multiplied in row blocks
-BLOCK_BYTES = 64 << 20  # the size of one such row block
+# a matrix larger than this (working dtype) is multiplied in row blocks of BLOCK_BYTES: small
+# enough to stay in cache between dequantization and product (measured on 2 cores, a streaming
+# GLM-5-dims decode step: 1.08 s with 32 / 8 MiB, 1.68 s with 256 / 64 MiB)
+ROW_BLOCK_BYTES = 32 << 20
+BLOCK_BYTES = 8 << 20
 MIN_BLOCK_ROWS = 16
 
 
@@ -56,8 +59,11 @@ class WeightCache:
     uses it and drops it). Shared by every :class:`WeightStore` of the process: stores over the
     same file at the same dtype reuse each other's tensors."""
 
-    def __init__(self, budget: int):
+    def __init__(self, budget: int, compact: bool = False):
         self.budget = int(budget)
+        # compact: keep float32 (the exact dequantized values) and widen on every read, so the
+        # budget holds twice the weights and an fp64 and an fp32 copy share one entry
+        self.compact = compact
         self.used = 0
         self._items: dict[tuple, Tensor] = {}
         self._users: dict[tuple, int] = {}  # file identity -> open stores
@@ -120,12 +126,13 @@ def shared_cache() -> WeightCache:
     return _SHARED
 
 
-def set_cache_budget(budget: int) -> WeightCache:
-    """Set the shared cache's budget in bytes (entries past a lowered budget are dropped)."""
+def set_cache_budget(budget: int, compact: bool = False) -> WeightCache:
+    """Set the shared cache's budget in bytes and its storage (entries past a lowered budget,
+    or of the other storage, are dropped)."""
     cache = shared_cache()
-    cache.budget = int(budget)
-    if cache.used > cache.budget:
+    if cache.used > budget or cache.compact != compact:
         cache.clear()
+    cache.budget, cache.compact = int(budget), compact
     return cache
 
 
@@ -156,7 +163,7 @@ class ExpertStack:
             if self._order is not None:
                 e = int(self._order[e])
             start = e * self._rows + self._part[0]
-            return self.store.tensor(self.name, rows=slice(start, start + self.shape[1]))
+            return self.store.matrix(self.name, (start, start + self.shape[1]))
         order = torch.as_tensor(index, dtype=torch.int64).reshape(-1)
         if order.numel() != self.shape[0]:
             raise IndexError(f"{self.name}: an expert stack is indexed by one expert or by all {self.shape[0]}")
@@ -310,20 +317,31 @@ class WeightStore:
     # -- tensors ---------------------------------------------------------------------
     def tensor(self, name: str, rows: slice | None = None) -> Tensor:
         """One tensor (or rows of its 2-D view) dequantized to the working dtype and device."""
-        key = (self.identity, name, None if rows is None else (rows.start, rows.stop), self.dtype, str(self.device))
+        stored = torch.float32 if self.cache.compact else self.dtype
+        key = (self.identity, name, None if rows is None else (rows.start, rows.stop), stored, str(self.device))
         t = self.cache.get(key)
-        if t is not None:
-            return t
-        t = self._dequantize(name, rows)
-        self.cache.offer(key, t)
+        if t is None:
+            t = self._dequantize(name, rows, stored)
+            self.cache.offer(key, t)
+        if t.dtype != self.dtype:  # compact storage, widened for this use (exact: the values are float32)
+            wide = t.to(self.dtype)
+            wide.ggml_type = t.ggml_type
+            return wide
         return t
 
-    def _dequantize(self, name: str, rows: slice | None) -> Tensor:
+    def _dequantize(self, name: str, rows: slice | None, dtype: torch.dtype | None = None) -> Tensor:
         info = self.model.tensors[name]
-        with warnings.catch_warnings():  # F32 data comes back as a read-only view of the mmap
-            warnings.filterwarnings("ignore", message=".*not writable.*")
-            t = dequantize_tensor(self.model, name, rows=rows, device=self.device)  # float32 (exact)
-        t = t.to(dtype=self.dtype, device=self.device)  # a copy unless fp32 on the device already
+        dtype = dtype or self.dtype
+        if dtype == torch.float64 and self.device.type == "cpu":  # float32 values widened block by block
+            start, stop = (0, info.n_rows) if rows is None else (rows.start or 0, rows.stop)
+            t = dequantize_wide(self.model, name, start, stop)
+            if rows is None:
+                t = t.reshape(info.shape)
+        else:
+            with warnings.catch_warnings():  # F32 data comes back as a read-only view of the mmap
+                warnings.filterwarnings("ignore", message=".*not writable.*")
+                t = dequantize_tensor(self.model, name, rows=rows, device=self.device)  # float32 (exact)
+            t = t.to(dtype=dtype, device=self.device)  # a copy unless fp32 on the device already
         # the stored type, read where an emulated engine rounds by weight type
         # (precision.unrounded_sums_error: only weights with a per-block offset)
         t.ggml_type = info.qtype.name
@@ -339,9 +357,18 @@ class WeightStore:
         info = self.model.tensors[name]
         if len(info.shape) == 3 and "_exps." in name and name.endswith(".weight"):
             return ExpertStack(self, name)
-        if len(info.shape) == 2 and info.n_elements * self._item > ROW_BLOCK_BYTES and self.streaming is not False:
-            return RowBlocked(self, name)
+        if len(info.shape) == 2:
+            return self.matrix(name, (0, info.n_rows))
         return self.tensor(name)
+
+    def matrix(self, name: str, rows: tuple[int, int]) -> Any:
+        """Rows of a matrix: a plain tensor, or :class:`RowBlocked` when larger than
+        ROW_BLOCK_BYTES (and not kept whole)."""
+        info = self.model.tensors[name]
+        whole = rows == (0, info.n_rows)
+        if (rows[1] - rows[0]) * info.row_elements * self._item > ROW_BLOCK_BYTES and self.streaming is not False:
+            return RowBlocked(self, name, rows)
+        return self.tensor(name, None if whole else slice(*rows))
 
     def has(self, name: str) -> bool:
         return name in self.model.tensors
@@ -392,8 +419,10 @@ class WeightStore:
         info = self.model.tensors[name]
         size = info.n_elements * self._item
         if self.streaming is False or self.cache.used + size <= self.cache.budget:
-            self._head = [(0, self.tensor(name))]  # kept by the cache
-            yield from self._head
+            whole = [(0, self.tensor(name))]  # kept by the cache
+            if not self.cache.compact:  # (compact: widened anew on each use, not held twice)
+                self._head = whole
+            yield from whole
             return
         for start in range(0, info.n_rows, chunk_rows):
             yield start, self._dequantize(name, slice(start, min(start + chunk_rows, info.n_rows)))

@@ -23,7 +23,8 @@ the first call in a new process costs about 1 s (numba import and thread start) 
 per further type.
 """
 
-from ggufcheck.gguf.quants.host import FORCE_ENV, KERNELS, cpu_path, dequantize, dequantize_into, fused_row_stats
+from ggufcheck.gguf.quants.host import (FORCE_ENV, KERNELS, cpu_path, dequantize, dequantize_into, dequantize_into_f64,
+                                        fused_row_stats)
 from ggufcheck.gguf.quants.device import dequantize_torch, gpu_path
 
 __all__ = ["FORCE_ENV", "KERNELS", "cpu_path", "dequantize", "dequantize_into", "dequantize_torch",

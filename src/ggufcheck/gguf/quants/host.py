@@ -26,6 +26,7 @@ FORCE_ENV = "GGUFCHECK_DEQUANT"  # "gguf-py" forces the reference path everywher
 _broken: dict[Q, str] = {}  # types whose kernel failed to compile or run -> why
 _broken_fused: dict[Q, str] = {}  # same, for the fused health-scan pass
 _broken_streaming: dict[Q, str] = {}  # same, for the streaming-store kernels of large outputs
+_broken_wide: dict[Q, str] = {}  # same, for the plain kernels writing float64
 # numba's 'workqueue' threads sleep when idle; the OpenMP layer it picks when torch brought
 # libgomp spin-waits, which measured 4x slower on a shared 2-core machine. workqueue must not be
 # entered from two Python threads at once, hence the lock (each call uses every core anyway).
@@ -75,6 +76,29 @@ def dequantize_into(raw: np.ndarray, qtype: Q, out: np.ndarray) -> np.ndarray:
     with np.errstate(all="ignore"):  # NaN/Inf scales are data here, not errors
         flat[:] = _gguf_py(src, qtype).reshape(-1)
     return out
+
+
+def dequantize_into_f64(raw: np.ndarray, qtype: Q, out: np.ndarray) -> bool:
+    """Dequantize into C-contiguous float64 ``out`` straight from the plain kernel, which computes
+    each value in float32 and widens it as it stores it (exactly ``dequantize(...).astype(float64)``:
+    a test holds every kernel to that); False where no such kernel serves ``qtype`` (BF16 writes
+    bits, F32 is a copy, numba missing or broken): the caller widens float32 values itself."""
+    spec = KERNELS.get(qtype)
+    if spec is None or spec.out_bits or cpu_path(qtype) != "numba" or qtype in _broken_wide:
+        return False
+    block, size = tables.block_geometry(qtype)
+    if raw.dtype != np.uint8 or raw.size % size or out.dtype != np.float64 or out.size != raw.size // size * block:
+        raise ValueError(f"{qtype.name}: need whole uint8 blocks and a float64 out of matching size")
+    try:
+        _prefer_workqueue()
+        if qtype not in _table_cache:
+            _table_cache[qtype] = spec.tables()
+        with _kernel_lock:
+            spec.plain()(np.ascontiguousarray(raw).reshape(-1), out.reshape(-1), *_table_cache[qtype])
+        return True
+    except Exception as err:  # numba TypingError / LoweringError: the float32 path still serves
+        _broken_wide[qtype] = f"float64 kernel failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        return False
 
 
 def dequantize(raw: np.ndarray, qtype: Q) -> np.ndarray:
