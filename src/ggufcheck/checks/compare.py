@@ -301,7 +301,8 @@ def _dense_fits_better(reference, seqs, tables, prefill: Result, say) -> Result 
     from ggufcheck.engines.reference import ReferenceEngine
 
     say("scoring the prompts on the reference with the DSA indexer off (did sparse attention run?)")
-    dense = ReferenceEngine(model.path, dtype="fp64", indexer_heads=0, lora_norm_eps=cfg.lora_norm_eps)
+    dense = ReferenceEngine(model.path, dtype="fp64", device=model.device, indexer_heads=0,
+                            lora_norm_eps=cfg.lora_norm_eps)
     try:
         dense_tables = [dense.score(s) for s in seqs]
     finally:
@@ -336,9 +337,9 @@ def _measured_router_margin(reference, baseline_engine, seqs, n_seqs: int = 2) -
     moved = []
     with torch.no_grad():
         for seq in seqs[:n_seqs]:
-            a = model_r.prefill(list(seq), trace=True)
-            b = model_b.prefill(list(seq), trace=True)
-            for la, lb in zip(a.layers, b.layers):
+            _, marks_a = model_r.prefill_marks(list(seq))
+            _, marks_b = model_b.prefill_marks(list(seq))
+            for la, lb in zip(marks_a, marks_b):
                 if la.router_gap is not None and lb.router_gap is not None:
                     moved.append((la.router_gap - lb.router_gap).abs().double().cpu().numpy())
     return float(np.percentile(np.concatenate(moved), 99)) if moved else None

@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # pragma: no cover
 @dataclass(frozen=True)
 class FileStageOptions:
     health: bool = True  # dequantize every tensor (the slow part)
+    layers: tuple[int, ...] | None = None  # --layers: scan only these layers' tensors (and the non-layer ones)
     tp: int | None = None  # also check the shard rules for this tensor-parallel size
 
 
@@ -152,9 +153,14 @@ def run_file_stage(
     report.add(_arch_results(model, options))
     if options.health:
         started = time.perf_counter()
-        healths = scan_model(model, progress=progress)
+        chosen = [info for name, info in model.tensors.items()
+                  if options.layers is None or not name.startswith("blk.") or int(name.split(".")[1]) in options.layers]
+        healths = scan_model(model, chosen, progress=progress)
         seconds = time.perf_counter() - started
-        scanned = sum(info.nbytes for info in model.tensors.values())
+        scanned = sum(info.nbytes for info in chosen)
+        if len(chosen) < len(model.tensors):
+            report.info["not_checked"] = (f"the health of {len(model.tensors) - len(chosen)} tensors of layers outside "
+                                          "--layers")
         report.info["health_scan"] = {"tensor_bytes": scanned, "seconds": round(seconds, 3),
                                       "mb_per_s": round(scanned / 1e6 / seconds, 1) if seconds > 0 else None}
         report.add(health_results(healths, model.tensors))
@@ -173,4 +179,5 @@ def _arch_results(model: GGUFModel, options: FileStageOptions) -> list[Result]:
 def run(session: "Session") -> list[StageReport]:
     """The stage entry point: the session's model file."""
     session.say("checking the file: integrity, metadata, mapping, dequantization health")
-    return [run_file_stage(session.open_model(), FileStageOptions(health=session.options.health))]
+    return [run_file_stage(session.open_model(), FileStageOptions(health=session.options.health,
+                                                                  layers=session.options.layers))]

@@ -45,7 +45,11 @@ def run(session: "Session") -> list[StageReport]:
         report.add(skipped("weights.loaded", "weights", "no spec/table for this architecture: nothing to audit against"))
         return [report]
     caps = engine.capabilities
-    names = sorted(hf_params(spec, table, model.tensors, caps.weight_layout))
+    params = hf_params(spec, table, model.tensors, caps.weight_layout)
+    names = sorted(n for n, p in params.items()
+                   if all(session.options.tensor_chosen(e.name) for e in p.group.inputs.values()))
+    if len(names) < len(params):
+        report.info["not_checked"] = f"{len(params) - len(names)} parameters of layers outside --layers"
     session.say(f"auditing {len(names)} loaded parameters on {caps.tp_size} rank(s)")
     report.add(check_engine_weights(model, spec, table, engine, names))
     report.info.update(tp=caps.tp_size, parameters=len(names), layout=caps.weight_layout)

@@ -52,6 +52,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="skip output sanity (random-weight test models are near-flat by nature)")
     p.add_argument("--plan-only", dest="shard_numeric", action="store_false",
                    help="with --tp: check the shard plan and kv_b slices, not the sharded arithmetic")
+    p.add_argument("--layers", metavar="LIST", help="check only these layers, e.g. 0,1,40 or 0-3,40: their weights "
+                   "alone are read, each replayed on the engine's own input; the served stage needs every layer and "
+                   "is skipped (the report says what was not checked)")
+    p.add_argument("--max-memory", metavar="SIZE", help="memory ggufcheck may hold, e.g. 6G or 6000M (default: "
+                   "80%% of what is available); a stage estimated to need more is refused before the run starts")
+    p.add_argument("--reference-device", default="auto", metavar="DEV",
+                   help="where the fp64 reference runs: auto (a GPU with room, else the CPU), cpu, cuda or cuda:N")
     p.add_argument("--json", type=Path, help="write every stage, check and the verdict to this JSON file")
     p.add_argument("--html", type=Path, help="write a self-contained HTML report with plots")
     p.add_argument("-v", "--verbose", action="store_true", help="list every check of every stage")
@@ -70,13 +77,50 @@ def options_from(args: argparse.Namespace) -> DiagnoseOptions:
     for name in ("decode_to", "sweep_to"):
         if getattr(args, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, not {getattr(args, name)}")
+    device = args.reference_device
+    if not (device in ("auto", "cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit())):
+        raise UsageError(f"--reference-device must be auto, cpu, cuda or cuda:N, not {device!r}")
     return DiagnoseOptions(
+        layers=parse_layers(args.layers) if args.layers else None,
+        max_memory=parse_size(args.max_memory, "--max-memory") if args.max_memory else None,
+        reference_device=device,
         model=args.model, engine=args.engine, python=args.python, device=args.device, tp=args.tp,
         prompts=args.prompts, max_prompts=args.max_prompts, max_tokens=args.max_tokens, health=args.health,
         kernels=args.kernels, sanity=args.sanity, shard_numeric=args.shard_numeric, baseline=args.baseline,
         top_k=args.top_k, timeout=args.timeout, decode_to=args.decode_to, sweep_to=args.sweep_to,
         reference=args.reference,
     )
+
+
+def parse_layers(text: str) -> tuple[int, ...]:
+    """``0,1,40`` or ``0-3,40`` -> sorted layer indices."""
+    out: set[int] = set()
+    for part in filter(None, text.replace(" ", "").split(",")):
+        first, dash, last = part.partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise UsageError(f"--layers {text!r}: {part!r} is not a layer or a range", tip="e.g. 0,1,40 or 0-3,40")
+        lo, hi = int(first), int(last) if dash else int(first)
+        if hi < lo:
+            raise UsageError(f"--layers {text!r}: the range {part!r} runs backwards")
+        out.update(range(lo, hi + 1))
+    if not out:
+        raise UsageError("--layers is empty")
+    return tuple(sorted(out))
+
+
+def parse_size(text: str, flag: str) -> int:
+    """``6G``, ``6GiB``, ``6000M``, ``512MB``, ``7e9`` -> bytes (K/M/G/T are powers of 1024)."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    body = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = body[-1:] if body[-1:] in units and body[-1:] != "" else ""
+    number = body[: len(body) - len(unit)]
+    try:
+        value = float(number) * units[unit]
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: not a size", tip="e.g. 6G, 6000M or 7e9 (bytes)") from None
+    if value <= 0:
+        raise UsageError(f"{flag} must be positive, not {text!r}")
+    return int(value)
 
 
 def exit_status(diagnosis: Diagnosis) -> int:
@@ -90,7 +134,8 @@ def write_reports(diagnosis: Diagnosis, json_path: Path | None, html_path: Path 
     if json_path:
         doc = report_json("diagnose", diagnosis.stages, model=str(diagnosis.options.model),
                           engine=diagnosis.engine, verdict=diagnosis.verdict.to_json(),
-                          elapsed_s=diagnosis.elapsed_s, timings=diagnosis.timings)
+                          elapsed_s=diagnosis.elapsed_s, timings=diagnosis.timings,
+                          resources=diagnosis.resources.to_json() if diagnosis.resources is not None else None)
         write_json(json_path, doc)
         console.print(f"JSON report: {json_path}")
     if html_path:
@@ -106,14 +151,22 @@ def run(args: argparse.Namespace) -> int:
     if not options.model.is_file():
         raise UsageError(f"{options.model}: no such file")
     console = Console()
+
+    def show_plan(plan) -> None:
+        if plan is not None and not args.quiet:
+            from ggufcheck.diagnose.resources import format_plan
+
+            for line in format_plan(plan):
+                console.print(line, markup=False, highlight=False, soft_wrap=True)
+
     if args.quiet:
-        diagnosis = diagnose(options)
+        diagnosis = diagnose(options, on_plan=show_plan)
     else:
         started = time.perf_counter()
         # on stderr, so a piped report stays clean (rich shows nothing there when it is not a terminal)
         with Console(stderr=True).status("diagnosing") as status:
             diagnosis = diagnose(options, progress=lambda msg: status.update(
-                f"{msg} [dim]({time.perf_counter() - started:.0f} s)[/]"))
+                f"{msg} [dim]({time.perf_counter() - started:.0f} s)[/]"), on_plan=show_plan)
     render_diagnosis(console, diagnosis, verbose=args.verbose)
     write_reports(diagnosis, args.json, args.html, console)
     return exit_status(diagnosis)

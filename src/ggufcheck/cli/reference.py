@@ -48,9 +48,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, help="write the trace to OUT.safetensors + OUT.json")
     p.add_argument("--top", type=int, default=3, help="predictions shown per position (default 3)")
     stream = p.add_mutually_exclusive_group()
-    stream.add_argument("--stream", dest="streaming", action="store_true", default=None,
-                        help="hold one layer's weights at a time (default: when the model would not fit)")
-    stream.add_argument("--no-stream", dest="streaming", action="store_false")
+    stream.add_argument("--stream", dest="streaming", action="store_true", default=True,
+                        help="keep no weight once used (default: one pass reads each weight once; memory stays "
+                             "at a few row blocks and one expert whatever the model's size)")
+    stream.add_argument("--no-stream", dest="streaming", action="store_false",
+                        help="keep every dequantized weight (the whole model in memory)")
     p.add_argument("--mla", choices=("naive", "absorbed"), default="naive", help="MLA form (deepseek2, glm-dsa)")
 
 
@@ -93,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = ref.cfg
         console.print(f"[bold]{options.model.name}[/]: {cfg.arch}, {cfg.n_layer} layers, D {cfg.n_embd}, "
                       f"vocab {cfg.n_vocab}; {len(tokens)} tokens, {options.dtype} on {ref.device}"
-                      f"{', streaming' if ref.streaming else ''}")
+                      f"{', streaming' if ref.streaming else ', weights kept'}")
         started = time.perf_counter()
         with torch.no_grad():
             trace = ref.prefill(tokens)

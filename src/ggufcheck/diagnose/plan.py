@@ -43,6 +43,7 @@ class Diagnosis:
     engine: dict[str, Any] | None = None
     elapsed_s: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
+    resources: Any = None  # the resource plan made before the first stage (diagnose/resources.py)
 
 
 @dataclass(frozen=True)
@@ -71,16 +72,19 @@ PLAN: tuple[Stage, ...] = (
           lambda s: None if s.options.tp else "no --tp given", "sharding"),
     Stage("weights", "the engine's loaded parameters", "ggufcheck.checks.weights", _needs_engine, "weights"),
     Stage("layers", "each layer's computation", "ggufcheck.checks.layers", _needs_engine, "output"),
-    Stage("served", "the served distributions and execution paths", "ggufcheck.checks.compare", _needs_engine,
-          "output"),
+    Stage("served", "the served distributions and execution paths", "ggufcheck.checks.compare",
+          lambda s: _needs_engine(s) or ("--layers: the served distributions need every layer (run without it)"
+                                         if s.options.layers is not None else None), "output"),
 )
 
 
-def diagnose(options: DiagnoseOptions, progress: Progress | None = None, engine: Any | None = None) -> Diagnosis:
+def diagnose(options: DiagnoseOptions, progress: Progress | None = None, engine: Any | None = None,
+             on_plan: Callable[[Any], None] | None = None) -> Diagnosis:
     """Run every applicable stage in order and decide the verdict.
 
     ``engine`` may be an already open :class:`ggufcheck.engines.base.Engine` (tests and
-    ``ggufcheck.testing.faults`` pass one); otherwise ``options.engine`` is opened.
+    ``ggufcheck.testing.faults`` pass one); otherwise ``options.engine`` is opened. Before
+    any stage, the resource plan (``diagnose/resources.py``) is made and given to ``on_plan``.
     """
     say = progress or (lambda _m: None)
     if engine is None and options.engine is None:
@@ -92,6 +96,9 @@ def diagnose(options: DiagnoseOptions, progress: Progress | None = None, engine:
     timings: dict[str, float] = {}
     started = time.perf_counter()
     try:
+        session.resources = plan_for(session, engine)
+        if on_plan is not None:
+            on_plan(session.resources)
         if engine is None:  # a bad spec (exit 2) or an unreachable engine (exit 3) is said in seconds,
             try:            # before the long file stage
                 session.engine()
@@ -103,6 +110,8 @@ def diagnose(options: DiagnoseOptions, progress: Progress | None = None, engine:
             if reason is not None:
                 report = StageReport(stage.name, info={"eliminates": stage.eliminates})
                 report.add(skipped(stage.name, stage.skip_component, reason))
+                if reason.startswith("--layers"):
+                    report.info["not_checked"] = "the served distributions and execution paths (--layers)"
                 stages.append(report)
                 continue
             t0 = time.perf_counter()
@@ -119,7 +128,34 @@ def diagnose(options: DiagnoseOptions, progress: Progress | None = None, engine:
                 described = {"name": session.options.engine, "error": err.message}
     finally:
         session.close()
-    return Diagnosis(options, stages, decide(stages), described, time.perf_counter() - started, timings)
+    return Diagnosis(options, stages, decide(stages), described, time.perf_counter() - started, timings,
+                     session.resources)
+
+
+def plan_for(session: Session, engine: Any | None = None):
+    """The resource plan of this diagnosis (None for an architecture the reference lacks),
+    applied: the weight cache's budget set from it. A stage that cannot fit ends the run here
+    (UsageError: exit 2), before anything is loaded."""
+    from ggufcheck.diagnose.resources import Rates, cheaper_options, plan_resources, probe_host
+    from ggufcheck.reference.config import config_from_gguf
+    from ggufcheck.reference.weights import set_cache_budget
+
+    model = session.open_model()
+    try:
+        cfg = config_from_gguf(model.metadata, model.tensors, str(model.path))
+    except GGUFCheckError:
+        return None  # no reference for this architecture: the stages say so
+    o = session.options
+    if o.layers is not None and max(o.layers) >= cfg.n_layer:
+        raise UsageError(f"--layers {max(o.layers)}: {o.model.name} has layers 0..{cfg.n_layer - 1}")
+    host = probe_host(with_gpus=o.reference_device != "cpu")
+    device = o.reference_device if o.reference_device not in ("auto", "cpu") else "cpu"
+    kind = "" if engine is not None else (o.engine or "").split(":")[0].split("@")[0]
+    plan = plan_resources(o, model, cfg, host, Rates.calibrate(model, device), kind, o.max_memory)
+    if plan.refusal:
+        raise UsageError(f"{o.model.name}: {plan.refusal}", tip=f"cheaper: {cheaper_options(plan)}")
+    set_cache_budget(plan.cache_budget, compact=plan.compact)
+    return plan
 
 
 def _run(stage: Stage, session: Session) -> list[StageReport]:

@@ -42,6 +42,15 @@ class DiagnoseOptions:
     paths: bool = True  # the execution-path checks of the served stage
     top_k: int = 20  # top-k requested from engines without full logits (HTTP servers)
     timeout: float = 60.0  # HTTP engines: seconds per request
+    max_memory: int | None = None  # bytes ggufcheck may hold (None: 80% of the memory available; resources.py)
+    reference_device: str = "auto"  # where the reference runs: auto (a GPU with room, else cpu), cpu, cuda[:N]
+    layers: tuple[int, ...] | None = None  # --layers: check only these layers (their weights alone are read)
+
+    def tensor_chosen(self, name: str) -> bool:
+        """Whether ``--layers`` keeps tensor ``name`` (every non-layer tensor is kept)."""
+        if self.layers is None or not name.startswith("blk."):
+            return True
+        return int(name.split(".")[1]) in self.layers
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -58,6 +67,11 @@ class Session:
         self._tokens: list[list[int]] | None = None
         self.tokenizer_used: str | None = None  # whose tokenizer made the prompts' tokens
         self.model = None
+        self.resources = None  # the resource plan (diagnose/resources.py), made before the first stage
+
+    @property
+    def reference_device(self) -> str:
+        return self.resources.device if self.resources is not None else "cpu"
 
     # -- the file -------------------------------------------------------------------------
     def open_model(self):
@@ -104,7 +118,8 @@ class Session:
                 from ggufcheck.engines.reference import ReferenceEngine
 
                 self.say("loading the fp64 reference")
-                self._reference = ReferenceEngine(self.options.model, dtype="fp64", **self.semantics())
+                self._reference = ReferenceEngine(self.options.model, dtype="fp64", device=self.reference_device,
+                                                  **self.semantics())
             else:
                 from ggufcheck.engines.spec import open_engine
 
@@ -136,7 +151,7 @@ class Session:
             spec = self.options.baseline
             kwargs = {}
             if spec.split(":")[0] == "reference":  # the engine's semantics, rounding as its class does
-                kwargs = {**self.semantics(), **self.emulation()}
+                kwargs = {**self.semantics(), **self.emulation(), "device": self.reference_device}
             self._baseline = open_engine(spec, self.options.model, **kwargs)
         return self._baseline
 

@@ -89,6 +89,11 @@ def decide(stages: Iterable[StageReport]) -> Verdict:
                        f"compared the deployment with a reference ({why or 'the layers and logits stages did not run'})",
                        next_steps="give the engine's architecture a reference (see docs/verdicts.md) or check "
                                   "what the skipped stages need", unverified=True)
+    unchecked = [f"{s.stage}: {s.info['not_checked']}" for s in stages if s.info.get("not_checked")]
+    if unchecked:  # --layers: healthy as far as it looked, and it says how far that was
+        return Verdict(True, None, None, None, None,
+                       f"healthy in what was checked: {ran} checks passed, none failed; not checked: "
+                       + "; ".join(unchecked))
     return Verdict(True, None, None, None, None, f"healthy: {ran} checks passed, none failed")
 
 

@@ -72,9 +72,9 @@ class ReferenceEngine(GGUFVocabTokenizer, Engine):
         with self._torch.no_grad():
             if not self.model.cfg.has_indexer and not routed:
                 return self._table(tokens, self.model.prefill(tokens, trace=False))  # [T, V]
-            trace = self.model.prefill(tokens, trace=True)
+            logits, layers = self.model.prefill_marks(tokens)
         ties = np.zeros(len(tokens), dtype=bool)
-        for layer in trace.layers:
+        for layer in layers:
             if layer.topk_gap is not None:
                 ties |= layer.topk_gap.cpu().numpy() <= self.tie_margin
             elif layer.topk_ties is not None:
@@ -86,8 +86,7 @@ class ReferenceEngine(GGUFVocabTokenizer, Engine):
                          layer.topk_ties.cpu().numpy().astype(bool) if layer.topk_ties is not None else None)
                 if exact is not None and exact.any():
                     ties[int(np.flatnonzero(exact)[0]):] = True
-        return TokenLogprobs(tokens, self.vocab_size, trace.logprobs.to(self._torch.float64).cpu().numpy(),
-                             ambiguous=ties)
+        return TokenLogprobs(tokens, self.vocab_size, log_softmax_rows(logits), ambiguous=ties)
 
     def score_chunked(self, tokens: Sequence[int], chunk_size: int, *, top_k: int = 20) -> TokenLogprobs:
         tokens = [int(t) for t in tokens]
@@ -164,6 +163,20 @@ class ReferenceEngine(GGUFVocabTokenizer, Engine):
         if model is not None:
             model.close()
             self.model = None
+
+
+def log_softmax_rows(logits: Any) -> np.ndarray:
+    """torch.log_softmax of a [T, V] tensor over its rows as float64 numpy, computed a block of
+    rows at a time in place (the same values as one call: each row is its own reduction), so
+    a long prompt's table is held once, not three times."""
+    import torch
+
+    from ggufcheck.engines.base import row_blocks
+
+    out = logits.detach().to("cpu", torch.float64)
+    for rows in row_blocks(out.shape[0], out.shape[1]):
+        out[rows] = torch.log_softmax(out[rows], dim=-1)
+    return out.numpy()
 
 
 def log_softmax_inplace(logits: Any) -> np.ndarray:

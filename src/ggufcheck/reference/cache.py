@@ -70,3 +70,11 @@ class LayerOutput:
     # [T] MoE: the weakest chosen expert's selection score minus the best unchosen one's (a
     # small gap: an engine's rounding may legitimately choose the other expert)
     router_gap: Tensor | None = None
+
+    def marks(self) -> "LayerOutput":
+        """Only the per-token marks (router and indexer gaps, ties): what scoring keeps of a
+        layer. The [T, D] states and the [T, k] top-k are dropped (a 2080-token GLM-5 prompt's
+        states are 0.4 GB per layer in fp64, its top-k 34 MB)."""
+        return LayerOutput(hidden=None, after_attn=None, attn_out=None, ffn_out=None,  # type: ignore[arg-type]
+                           topk_full=self.topk_full, topk_ties=self.topk_ties, topk_gap=self.topk_gap,
+                           router_gap=self.router_gap)

@@ -158,8 +158,11 @@ class ReferenceModel:
     # -- whole passes ----------------------------------------------------------------
     @torch.no_grad()
     def forward(self, tokens: list[int], cache: KVCache | None = None,
-                keep_layers: bool = False) -> tuple[Tensor, list[LayerOutput], Tensor]:
-        """New tokens (after whatever the cache holds) -> (logits [T, V], layer outputs, embeddings)."""
+                keep_layers: bool | str = False) -> tuple[Tensor, list[LayerOutput], Tensor]:
+        """New tokens (after whatever the cache holds) -> (logits [T, V], layer outputs, embeddings).
+
+        ``keep_layers``: True keeps every layer's output, "marks" only its per-token marks
+        (:meth:`LayerOutput.marks`), False none."""
         cache = KVCache() if cache is None else cache
         start = cache.length
         q_pos = torch.arange(start, start + len(tokens), dtype=torch.int64, device=self.device)
@@ -171,7 +174,8 @@ class ReferenceModel:
             out = self._layer(i, h, q_pos, k_pos, cache, shared)
             h = out.hidden
             if keep_layers:
-                outputs.append(out)
+                outputs.append(out.marks() if keep_layers == "marks" else out)
+            del out
         return self.head(h), outputs, emb
 
     def prefill(self, tokens: list[int], trace: bool = True):
@@ -184,6 +188,14 @@ class ReferenceModel:
         if not trace:
             return logits
         return Trace.from_run(self, list(tokens), emb, outputs, logits)
+
+    def prefill_marks(self, tokens: list[int]) -> tuple[Tensor, list[LayerOutput]]:
+        """The whole prompt at once: (logits [T, V], each layer's marks only): scoring with the
+        router / indexer near-ties, without holding every layer's states."""
+        if not tokens:
+            raise UsageError("no tokens to run")
+        logits, marks, _ = self.forward(list(tokens), keep_layers="marks")
+        return logits, marks
 
     def decode(self, tokens: list[int], cache: KVCache | None = None) -> Tensor:
         """Feed tokens one at a time through the KV cache; logits [T, V] (row t after token t)."""

@@ -54,6 +54,26 @@ class Replayer:
         self.ref.weights.release(self.layer)
 
 
+class ReplayedTrace:
+    """A trace of some layers only, each replayed on the engine's own input to it (``--layers``):
+    only those layers' weights are read. ``layers[i]`` is the replayed output of a chosen
+    layer, an empty placeholder for any other (nothing to compare there)."""
+
+    def __init__(self, reference, eng, tokens, chosen):
+        from ggufcheck.reference.cache import LayerOutput
+
+        self.embeddings = reference.embed(list(tokens))
+        empty = LayerOutput(hidden=None, after_attn=None, attn_out=None, ffn_out=None)  # type: ignore[arg-type]
+        self.layers = [empty] * reference.cfg.n_layer
+
+        def inputs(j):
+            return engine_input(j, eng, self)
+
+        for i in sorted(chosen):
+            self.layers[i] = Replayer(reference, i).attention(inputs(i), shared_topk(i, reference.cfg, eng, reference,
+                                                                                      inputs))
+
+
 def engine_input(i: int, eng, ref_trace) -> Tensor:
     if i == 0:
         return ref_trace.embeddings  # engines do not expose embeddings: layer 0 reads the reference's

@@ -20,7 +20,7 @@ from ggufcheck.checks.layers.metrics import (
     tie_masks,
 )
 from ggufcheck.checks.layers.options import STAGE, LayerOptions
-from ggufcheck.checks.layers.replay import engine_input
+from ggufcheck.checks.layers.replay import ReplayedTrace, engine_input
 from ggufcheck.engines.base import Unsupported
 from ggufcheck.results import Result, StageReport, failed, passed, skipped
 
@@ -29,11 +29,14 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def run_layers_stage(engine, reference, tokens_list: Sequence[Sequence[int]], baseline_reference=None,
-                     options: LayerOptions | None = None, progress: Callable[[str], None] | None = None) -> StageReport:
+                     options: LayerOptions | None = None, progress: Callable[[str], None] | None = None,
+                     chosen: Sequence[int] | None = None) -> StageReport:
     """Bisect the layers of ``engine`` against ``reference`` (a fp64 ReferenceModel).
 
     ``baseline_reference`` (a fp32 ReferenceModel of the same file) gives the per-layer
     baselines; without it only the floor and the activation class allowance apply.
+    ``chosen`` (``--layers``): only these layers, each replayed on the engine's own input to
+    it (their weights are the only ones read; an error does not carry from layer to layer).
     """
     opts = options or LayerOptions()
     emulation = getattr(baseline_reference, "emulation", None)
@@ -68,15 +71,20 @@ def run_layers_stage(engine, reference, tokens_list: Sequence[Sequence[int]], ba
             shortened.append({"prompt": n, "tokens": len(seqs[n]), "used": len(s)})
             seqs[n] = s
         with torch.no_grad():
-            ref_trace = reference.prefill(s, trace=True)
-            base_trace = baseline_reference.prefill(s, trace=True) if baseline_reference is not None else None
+            if chosen is not None:
+                ref_trace = ReplayedTrace(reference, eng, s, chosen)
+                base_trace = ReplayedTrace(baseline_reference, eng, s, chosen) if baseline_reference is not None else None
+            else:
+                ref_trace = reference.prefill(s, trace=True)
+                base_trace = baseline_reference.prefill(s, trace=True) if baseline_reference is not None else None
         runs.append((eng, ref_trace, base_trace))
 
     report.add(ranks_agree([eng for eng, _r, _b in runs], opts))
     per_layer = []
-    errors: list[MaxError] = []
+    errors: dict[int, MaxError] = {}
     masks = [tie_masks(ref_trace, n_layer, margin, router_margin) for _e, ref_trace, _b in runs]
-    for i in range(n_layer):
+    compared = sorted(chosen) if chosen is not None else list(range(n_layer))
+    for i in compared:
         err, base = MaxError(), MaxError()
         excluded = 0
         for n, (eng, ref_trace, base_trace) in enumerate(runs):
@@ -91,7 +99,7 @@ def run_layers_stage(engine, reference, tokens_list: Sequence[Sequence[int]], ba
             if base_trace is not None:
                 b = base_trace.layers[i].hidden
                 base.update(rel_errors(b, want), b, want, n, keep)
-        errors.append(err)
+        errors[i] = err
         limit = limit_for(base.value, opts, residual_allowance)
         per_layer.append({"layer": i, "error": err.value, "baseline": base.value, "limit": limit,
                           "ratio": ratio(err.value, base.value), "tie_excluded_positions": excluded})
@@ -102,6 +110,12 @@ def run_layers_stage(engine, reference, tokens_list: Sequence[Sequence[int]], ba
                        baseline=("none (floor only)" if baseline_reference is None else
                                  f"fp32 reference emulating {emulation.describe()} vs fp64" if emulation is not None
                                  else "fp32 reference vs fp64"))
+    if chosen is not None:
+        report.info["chosen_layers"] = compared
+        report.info["not_checked"] = (f"layers other than {_ranges(compared)} ({n_layer - len(compared)} of "
+                                      f"{n_layer}): --layers")
+        return _judge_chosen(report, per_layer, runs, reference, baseline_reference, kinds, opts, allowance,
+                             margin, router_margin, engine.capabilities.tp_size, errors, n_layer, shortened)
 
     first = next((row["layer"] for row in per_layer if not row["error"] <= row["limit"]), None)
     if first is None:
@@ -172,6 +186,53 @@ def run_layers_stage(engine, reference, tokens_list: Sequence[Sequence[int]], ba
     report.info["first_diverging_layer"] = first
     report.info["localized_layer"] = found
     return report
+
+
+def _judge_chosen(report: StageReport, per_layer, runs, reference, baseline_reference, kinds, opts: LayerOptions,
+                  allowance: float, margin: float, router_margin, tp: int, errors, n_layer: int,
+                  shortened) -> StageReport:
+    """``--layers``: every chosen layer was replayed on the engine's own input, so each row is
+    that layer's own error; the first over its limit is localized (its blocks replayed)."""
+    failing = [row for row in per_layer if not row["error"] <= row["limit"]]
+    for row in per_layer:
+        if row in failing:
+            continue
+        report.add(passed("layers.residual", "output",
+                          f"layer {row['layer']} (replayed on the engine's input): error {row['error']:.3g} <= limit "
+                          f"{row['limit']:.3g}", layer=row["layer"], stats=row_stats(row)))
+    if not failing:
+        report.add(passed("layers.chosen", "output",
+                          f"the {len(per_layer)} chosen layers ({_ranges([r['layer'] for r in per_layer])}) each compute "
+                          f"as the reference does on the engine's own input; the other {n_layer - len(per_layer)} "
+                          "layers and the served distributions were not checked (--layers)" + shortened_note(shortened),
+                          stats={"layers": [r["layer"] for r in per_layer]}))
+        return report
+    row = failing[0]
+    i = row["layer"]
+    results, _named = localize(i, runs, reference, baseline_reference, kinds, opts, allowance, margin, router_margin,
+                               tp=tp)
+    report.add(failed("layers.residual", "output",
+                      f"layer {i}, replayed on the engine's own input: error {row['error']:.3g} vs limit "
+                      f"{row['limit']:.3g} (baseline {row['baseline']:.3g}); the first chosen layer that computes "
+                      "wrongly" + errors[i].text(), layer=i, stats=row_stats(row), worst=errors[i].worst()))
+    report.add(results)
+    report.info["localized_layer"] = i
+    return report
+
+
+def _ranges(layers: Sequence[int]) -> str:
+    """[0, 1, 2, 5, 40] -> '0-2, 5, 40'."""
+    out, run = [], []
+    for i in sorted(layers):
+        if run and i == run[-1] + 1:
+            run.append(i)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [i]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ", ".join(out)
 
 
 # How exactly an engine's own layer output must equal its input + attention + FFN outputs
@@ -303,4 +364,5 @@ def run(session: "Session") -> list[StageReport]:
         return [report]
     baseline = session.baseline_model()  # loaded first: the label follows the work
     session.say("comparing every layer with the reference")
-    return [run_layers_stage(engine, reference, session.tokens(), baseline_reference=baseline, progress=session.say)]
+    return [run_layers_stage(engine, reference, session.tokens(), baseline_reference=baseline, progress=session.say,
+                             chosen=session.options.layers)]
