@@ -153,3 +153,24 @@ def test_quantized_bytes_per_rank(tiny_gguf):
     assert bad.component == "sharding" and "rank 0's bytes" in bad.message and bad.stats["rank"] == 1
     (unaligned,) = [r for r in at8 if r.failed]  # 64 / 8 = 8 elements: a quarter of a Q8_0 block
     assert unaligned.component == "sharding" and "quant blocks" in unaligned.message
+
+
+def test_the_fast_closeness_test_answers_as_within_rtol():
+    """sharding.weights._close (torch, in blocks) against comparison.within_rtol (numpy)."""
+    import torch
+
+    from ggufcheck.comparison import within_rtol
+    from ggufcheck.sharding.weights import _EPS, _close
+
+    torch.manual_seed(0)
+    w = torch.randn(1000, 37)
+    cases = [(w.clone(), w), (w * (1 + 1e-8), w), (w * (1 + 1e-6), w), (w.to(torch.bfloat16), w),
+             ((w * 1.01).to(torch.bfloat16), w), (torch.zeros(10, 3), torch.zeros(10, 3)),
+             (torch.zeros(10, 3) + 1e-40, torch.zeros(10, 3))]
+    for value in (float("nan"), float("inf")):
+        g = w.clone()
+        g[3, 4] = value
+        cases.append((g, w))
+    for g, want in cases:
+        cmp = within_rtol(g, want, _EPS.get(g.dtype, 1.2e-7))
+        assert _close(g, want) == (cmp.ok, cmp.extra["max_abs_diff"])

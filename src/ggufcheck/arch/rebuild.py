@@ -94,6 +94,50 @@ def iter_hf_tensors(model: "GGUFModel", spec: ArchSpec, table: TensorTable,
         yield "lm_head.weight", dequantize_tensor(model, "token_embd.weight").to(dtype)
 
 
+# transforms whose outputs keep the inputs' expert axis first: a stacked expert parameter can be
+# built a block of experts at a time (the rest make per-expert names or need the whole stack)
+EXPERT_AXIS_FIRST = frozenset({"identity", "fuse_gate_up", "transpose_experts", "oai_gate_up"})
+
+
+def iter_hf_parts(model: "GGUFModel", spec: ArchSpec, table: TensorTable, layout: str = "checkpoint",
+                  include_nextn: bool | None = None, block_bytes: int = 256 << 20
+                  ) -> Iterator[tuple[str, torch.Tensor, slice | None]]:
+    """:func:`iter_hf_tensors` in bounded memory: ``(hf_name, float32 tensor, experts)``, where a
+    stacked expert parameter ([E, ...], from stacked GGUF tensors) comes as blocks of experts
+    (``experts`` the slice of its first axis the block fills) of about ``block_bytes`` each, so
+    a GLM-5 layer's 256 experts (25.8 GB of float32 in one fused gate_up) never sit in memory at
+    once; every other parameter whole (``experts`` None)."""
+    from ggufcheck.gguf.dequant import dequantize_tensor
+
+    present = model.tensors
+    for group in groups(spec, table, present, layout, include_nextn):
+        transform = TRANSFORMS[group.transform]
+        missing = [e for e in group.inputs.values() if e.name not in present]
+        if missing:
+            if any(e.required for e in missing):
+                raise RebuildError(f"{model.path}: cannot rebuild {group.hf_name}: tensor {missing[0].name} is missing")
+            continue
+        infos = {role: present[e.name] for role, e in group.inputs.items()}
+        stacked = all(len(i.shape) == 3 and "_exps." in i.name for i in infos.values())
+        if not (stacked and group.transform in EXPERT_AXIS_FIRST):
+            values = {role: dequantize_tensor(model, info.name) for role, info in infos.items()}
+            for name, tensor in transform.to_hf(values, spec, group.hf_name).items():
+                yield name, tensor, None
+            continue
+        n_expert = next(iter(infos.values())).shape[0]
+        per_expert = sum(i.n_elements // n_expert for i in infos.values()) * 4
+        step = max(1, block_bytes // max(1, per_expert))
+        for e0 in range(0, n_expert, step):
+            e1 = min(e0 + step, n_expert)
+            values = {}
+            for role, info in infos.items():
+                rows = info.shape[1]
+                values[role] = dequantize_tensor(model, info.name, rows=slice(e0 * rows, e1 * rows)) \
+                    .reshape(e1 - e0, rows, info.shape[2])
+            for name, tensor in transform.to_hf(values, spec, group.hf_name).items():
+                yield name, tensor, slice(e0, e1)
+
+
 def hf_state_dict(model: "GGUFModel", spec: ArchSpec, table: TensorTable,
                   dtype: torch.dtype = torch.float32, layout: str = "checkpoint",
                   include_nextn: bool | None = None, tied_lm_head: bool = False) -> dict[str, torch.Tensor]:

@@ -73,6 +73,10 @@ def check_loaded_weights(model: "GGUFModel", spec: ArchSpec, table: TensorTable,
         results.append(skipped("weights.loaded.unknown", "weights",
                                f"{len(unknown)} loaded parameter(s) have no table row (not audited), e.g. {unknown[0]}",
                                stats={"names": unknown[:50]}))
+    blocked = _expert_blocked(model, params, loaded, tp)
+    for per_rank in loaded.values():
+        if blocked:  # (only LazyRankWeights read blocks; plain dicts of tensors are audited whole)
+            per_rank.by_block = blocked  # type: ignore[attr-defined]
     work: dict[int, list[tuple[int, str, Tensor, HFParam]]] = {}  # group -> its (rank, name) items
     for rank in sorted(loaded):
         for name, got in loaded[rank].items():
@@ -117,6 +121,17 @@ def check_loaded_weights(model: "GGUFModel", spec: ArchSpec, table: TensorTable,
                 results.append(failed("weights.loaded.slice", component, f"rank {rank}: {name}: {message}",
                                       tensor=name, layer=param.group.layer, stats={"rank": rank, "tp": tp, **stats},
                                       worst={"rank": rank}))
+    for name in sorted(blocked):
+        for rank in sorted(loaded):
+            problem = _audit_blocks(model, spec, params[name], loaded[rank], rank, tp, n_kv)
+            if problem is None:
+                n_ok[rank] += 1
+                continue
+            n_fail[rank] += 1
+            message, component, stats = problem
+            results.append(failed("weights.loaded.slice", component, f"rank {rank}: {name}: {message}", tensor=name,
+                                  layer=params[name].group.layer, stats={"rank": rank, "tp": tp, **stats},
+                                  worst={"rank": rank}))
     for rank in sorted(loaded):
         if n_fail[rank] > MAX_FAILS_PER_RANK:
             counts = unlisted[rank]
@@ -131,6 +146,60 @@ def check_loaded_weights(model: "GGUFModel", spec: ArchSpec, table: TensorTable,
                                   f"rank {rank}: {n_ok[rank]} parameter(s) equal their expected TP {tp} slices",
                                   stats={"rank": rank, "tp": tp, "parameters": n_ok[rank]}))
     return results
+
+
+EXPERT_BLOCK_BYTES = 512 << 20  # float32 bytes of one block of a stacked expert parameter in the audit
+
+
+def _expert_blocked(model: "GGUFModel", params, loaded, tp: int) -> set[str]:
+    """The stacked expert parameters audited a block of experts at a time: [E, ...] built
+    from stacked GGUF tensors by a transform that keeps the expert axis first, not split by TP
+    on that axis, larger than one block, held by an engine that hands over expert blocks."""
+    from ggufcheck.arch.rebuild import EXPERT_AXIS_FIRST
+
+    if not all(hasattr(per_rank, "block") for per_rank in loaded.values()):
+        return set()
+    wanted = {n for per_rank in loaded.values() for n in per_rank}
+    out = set()
+    for name in wanted:
+        param = params.get(name)
+        if param is None or param.group.transform not in EXPERT_AXIS_FIRST or param.rule.dim == 0:
+            continue
+        infos = [model.tensors.get(e.name) for e in param.group.inputs.values()]
+        if any(i is None or len(i.shape) != 3 or "_exps." not in i.name for i in infos):
+            continue
+        if sum(i.n_elements for i in infos) * 4 > EXPERT_BLOCK_BYTES:
+            out.add(name)
+    return out
+
+
+def _audit_blocks(model: "GGUFModel", spec: ArchSpec, param: HFParam, per_rank, rank: int, tp: int,
+                  n_kv: int) -> tuple[str, str, dict] | None:
+    """One stacked expert parameter of one rank, compared a block of experts at a time (the
+    expected block rebuilt from the GGUF tensors' rows of those experts); the first block that
+    differs is diagnosed, its experts named."""
+    from ggufcheck.arch.rebuild import TRANSFORMS
+    from ggufcheck.gguf.dequant import dequantize_tensor
+    from ggufcheck.engines.base import Unsupported
+
+    infos = {role: model.tensors[e.name] for role, e in param.group.inputs.items()}
+    n_expert = next(iter(infos.values())).shape[0]
+    per_expert = sum(i.n_elements // n_expert for i in infos.values()) * 4
+    step = max(1, EXPERT_BLOCK_BYTES // per_expert)
+    for e0 in range(0, n_expert, step):
+        e1 = min(e0 + step, n_expert)
+        values = {role: dequantize_tensor(model, i.name, rows=slice(e0 * i.shape[1], e1 * i.shape[1]))
+                  .reshape(e1 - e0, i.shape[1], i.shape[2]) for role, i in infos.items()}
+        full = TRANSFORMS[param.group.transform].to_hf(values, spec, param.group.hf_name)[param.name]
+        try:
+            got = per_rank.block(param.name, slice(e0, e1))
+        except Unsupported as err:
+            return (f"the engine did not hand over experts {e0}..{e1 - 1}: {err}", "weights", {})
+        problem = diagnose_slice(got, shard(full, param.rule, rank, tp, n_kv), full, param, rank, tp, n_kv, spec)
+        if problem is not None:
+            message, component, stats = problem
+            return (f"experts {e0}..{e1 - 1}: {message}", component, {**stats, "experts": [e0, e1 - 1]})
+    return None
 
 
 def check_engine_weights(model: "GGUFModel", spec: ArchSpec, table: TensorTable, engine,

@@ -306,6 +306,12 @@ class Engine(abc.ABC):
         """The weight the engine actually loaded under ``hf_name`` on TP rank ``rank``."""
         raise Unsupported(self.capabilities.why_not("weights"))
 
+    def weight_experts(self, hf_name: str, experts: slice, *, rank: int = 0) -> np.ndarray:
+        """Experts ``experts`` (a slice of the first axis) of a stacked expert parameter. An
+        engine that can hand over part of a parameter overrides this, so the audit of a 256-expert
+        layer holds a block of experts, not 26 GB; the default slices :meth:`weight`."""
+        return self.weight(hf_name, rank=rank)[experts]
+
     def held_weight_names(self, *, rank: int = 0) -> list[str]:
         """Every parameter rank ``rank`` holds, by the names :meth:`weight` answers to (so the
         weights stage can say which ones it could not audit)."""

@@ -32,6 +32,39 @@ from ggufcheck.engines.base import (
 )
 from ggufcheck.errors import Unavailable
 
+def _load_streaming(transformers, config, model, spec, table, torch_dtype, device: str):
+    """The transformers model built where it will run, in its dtype, then filled one rebuilt
+    tensor (one block of experts) at a time: host memory holds one such piece, not the model
+    (building in float32 on the CPU and converting held ~2.5x the model: 131 GB for a 2-layer
+    GLM-5-dims file on a 125 GB host). Parameters and buffers end as ``module.to(dtype)`` left
+    them before (a test compares every one). Returns (module, missing names, unexpected names)."""
+    import torch
+
+    from ggufcheck.arch.rebuild import iter_hf_parts
+
+    with torch.device(device):
+        module = transformers.AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    # everything in the dtype, as the engine always was: transformers keeps some modules in
+    # float32 (the MoE router's gate), and its buffers (rotary inv_freq) are float32
+    module.to(torch_dtype)
+    params = dict(module.named_parameters())
+    targets = {**dict(module.named_buffers()), **params}  # (a router's score-correction bias is a buffer)
+    filled, unexpected = set(), []
+    with torch.no_grad():
+        for name, tensor, experts in iter_hf_parts(model, spec, table, layout="transformers", include_nextn=False):
+            target = targets.get(name)
+            if target is None:
+                unexpected.append(name)
+                continue
+            (target.data if experts is None else target.data[experts]).copy_(tensor)
+            filled.add(name)
+    if spec.tied_output:
+        module.tie_weights()
+        filled.add("lm_head.weight")
+    missing = sorted(n for n in params if n not in filled and not (spec.tied_output and n == "lm_head.weight"))
+    return module, missing, unexpected
+
+
 class HFEngine(GGUFVocabTokenizer, Engine):
     """A transformers causal LM (``torch.nn.Module``) in ``dtype`` on CPU or CUDA.
 
@@ -106,7 +139,6 @@ class HFEngine(GGUFVocabTokenizer, Engine):
             raise Unavailable(f"transformers is not installed ({err})", tip="pip install 'ggufcheck[hf]'") from err
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise Unavailable(f"hf@{device}: torch sees no CUDA device (torch {torch.__version__})")
-        from ggufcheck.arch.rebuild import iter_hf_tensors
         from ggufcheck.arch.spec import spec_for_model
         from ggufcheck.arch.tables import table_for
         from ggufcheck.gguf.reader import open_gguf
@@ -123,18 +155,11 @@ class HFEngine(GGUFVocabTokenizer, Engine):
             except Unavailable as err:
                 raise Unsupported(str(err)) from err
             config = transformers.AutoConfig.for_model(MODEL_TYPES.get(spec.arch, spec.arch), **kwargs)
-            module = transformers.AutoModelForCausalLM.from_config(config).to(torch_dtype)
-            state = {name: t.to(torch_dtype) for name, t in
-                     iter_hf_tensors(model, spec, table, layout="transformers", include_nextn=False)}
-            result = module.load_state_dict(state, strict=False)
-            if spec.tied_output:
-                module.tie_weights()
-            module.to(device)
-            tied = {"lm_head.weight"} if spec.tied_output else set()
-            missing = sorted(set(result.missing_keys) - tied)
-            if missing or result.unexpected_keys:
+            module, missing, unexpected = _load_streaming(transformers, config, model, spec, table, torch_dtype,
+                                                          device)
+            if missing or unexpected:
                 raise Unsupported(f"the rebuild does not fit transformers' {spec.arch} model: missing "
-                                  f"{missing[:3]}, unexpected {list(result.unexpected_keys)[:3]}")
+                                  f"{missing[:3]}, unexpected {unexpected[:3]}")
             try:
                 from ggufcheck.tokenizer import load_tokenizer
 
@@ -236,3 +261,11 @@ class HFEngine(GGUFVocabTokenizer, Engine):
         if hf_name not in params:
             raise Unsupported(f"the transformers model has no parameter {hf_name!r}")
         return params[hf_name].detach().float().cpu().numpy()
+
+    def weight_experts(self, hf_name: str, experts: slice, *, rank: int = 0) -> np.ndarray:
+        if rank != 0:
+            raise Unsupported("a single-process transformers model has only rank 0")
+        params = dict(self.module.named_parameters())
+        if hf_name not in params:
+            raise Unsupported(f"the transformers model has no parameter {hf_name!r}")
+        return params[hf_name].detach()[experts].float().cpu().numpy()

@@ -71,6 +71,13 @@ class LayerOutput:
     # small gap: an engine's rounding may legitimately choose the other expert)
     router_gap: Tensor | None = None
 
+    def to(self, device: str) -> "LayerOutput":
+        """The same output with every tensor on ``device`` (a GPU reference's, for the checks)."""
+        from dataclasses import fields, replace
+
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
+                                if isinstance(getattr(self, f.name), Tensor)})
+
     def marks(self) -> "LayerOutput":
         """Only the per-token marks (router and indexer gaps, ties): what scoring keeps of a
         layer. The [T, D] states and the [T, k] top-k are dropped (a 2080-token GLM-5 prompt's

@@ -5,9 +5,9 @@ encoding (~21 GB for a 5.6 GB file), which is right for the tiny models of the t
 impossible for the models ggufcheck exists for (a GLM-5 layer with 256 experts is 9.9e9
 weights). :func:`build_streaming_gguf` writes the same file (same layout, metadata, values:
 ``tiny.random_tensor``'s generator drawn in consecutive row blocks gives the same numbers as
-one draw) with every tensor generated, encoded and written in row blocks of ``block_bytes`` (float32);
-encoding runs on a thread pool (numpy releases the GIL) while the blocks are written in
-order, at most ``2 x workers`` blocks in flight. Peak memory: a few blocks, for any size.
+one draw) with every tensor generated, encoded and written in row blocks of ``block_bytes`` (float32),
+``workers`` tensors at a time on a thread pool (numpy releases the GIL), each block written at
+its place in the file. Peak memory: ``workers`` blocks, for any size.
 
 Every type gguf-py can quantize (F32, F16, BF16, Q4_0..Q8_0, TQ1_0, TQ2_0, MXFP4) gives the
 same bytes as ``build_tiny_gguf`` (a test); other types are written as random valid blocks of
@@ -20,9 +20,9 @@ each block's spread (``tiny.encode``), not byte-equal to the in-memory builder.
 from __future__ import annotations
 
 import dataclasses
+import os
 import zlib
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,20 +75,29 @@ def build_streaming_gguf(dims: tiny.TinyDims, path: str | Path, *, qtypes: str |
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     fout = writer.fout[0]
-    with ThreadPoolExecutor(max(1, workers)) as pool:
-        for name, shape in shapes.items():
-            writer.write_padding(fout, fout.tell())  # each tensor starts aligned (GGUFWriter.write_tensor_data)
-            written = _write_tensor(fout, pool, name, shape, chosen[name], seed, block_bytes, 2 * max(1, workers))
-            writer.write_padding(fout, written)
+    writer.write_padding(fout, fout.tell())  # the data section starts aligned
+    fout.flush()
+    data_start = fout.tell()
+    offsets, at = {}, 0
+    for name, shape in shapes.items():  # where GGUFWriter put each tensor: aligned, in order
+        offsets[name] = data_start + at
+        at += writer.ggml_pad(_nbytes(shape, chosen[name]), writer.data_alignment)
+    fd = fout.fileno()
+    os.ftruncate(fd, data_start + at)  # the padding between tensors stays zero
+    order = sorted(shapes, key=lambda n: -int(np.prod(shapes[n])))  # the largest first
+    with ThreadPoolExecutor(max(1, workers)) as pool:  # tensors in parallel, each written at its offset
+        for done in [pool.submit(_write_tensor, fd, offsets[n], n, shapes[n], chosen[n], seed, block_bytes)
+                     for n in order]:
+            done.result()
     writer.close()
     n_weights = sum(int(np.prod(s)) for s in shapes.values())
     return StreamedGGUF(out, dims, chosen, tuple(fallbacks), n_weights, out.stat().st_size)
 
 
-def _write_tensor(fout, pool: ThreadPoolExecutor, name: str, shape: tuple[int, ...], qt: Q, seed: int,
-                  block_bytes: int, window: int) -> int:
-    """Generate ``tiny.random_tensor(name, shape, seed)`` in row blocks, encode each on the pool,
-    write them in order; returns the bytes written."""
+def _write_tensor(fd: int, offset: int, name: str, shape: tuple[int, ...], qt: Q, seed: int,
+                  block_bytes: int) -> int:
+    """Generate ``tiny.random_tensor(name, shape, seed)`` in row blocks, encode each and write
+    it at its place in the file (``os.pwrite``); returns the bytes written."""
     row = shape[-1]
     n_rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
     rows_per_block = max(1, block_bytes // (4 * row))
@@ -96,21 +105,16 @@ def _write_tensor(fout, pool: ThreadPoolExecutor, name: str, shape: tuple[int, .
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
     blocks_rng = np.random.default_rng([seed, zlib.crc32(name.encode()), 1])  # tiny.encode's, for random blocks
     random_blocks = qt not in qblocks.FLOAT_TYPES and tiny._needs_random(qt)
-    pending: deque[Future] = deque()
     written = 0
     for start in range(0, n_rows, rows_per_block):
         n = min(rows_per_block, n_rows - start)
         x = rng.standard_normal((n, row), dtype=np.float32)  # the same stream as one draw of the whole
-        if not random_blocks:
-            pending.append(pool.submit(_encode, x, scale, qt, None))
-        else:  # random blocks draw from their own generator, in order: encoded here, not on the pool
-            done: Future = Future()
-            done.set_result(_encode(x, scale, qt, blocks_rng))
-            pending.append(done)
-        while len(pending) >= window:
-            written += _drain(fout, pending.popleft())
-    while pending:
-        written += _drain(fout, pending.popleft())
+        data = np.ascontiguousarray(_encode(x, scale, qt, blocks_rng if random_blocks else None))
+        view = memoryview(data).cast("B")
+        while view:
+            k = os.pwrite(fd, view, offset + written)
+            written += k
+            view = view[k:]
     return written
 
 
@@ -131,12 +135,6 @@ def _encode(x: np.ndarray, scale: tuple[float, float], qt: Q, rng: np.random.Gen
     else:
         x *= np.float32(mul)
     return tiny.encode(x, qt, rng if rng is not None else np.random.default_rng(0))
-
-
-def _drain(fout, future: Future) -> int:
-    data = np.ascontiguousarray(future.result())
-    data.tofile(fout)
-    return data.nbytes
 
 
 def _nbytes(shape: tuple[int, ...], qt: Q) -> int:

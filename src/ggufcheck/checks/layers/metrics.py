@@ -16,7 +16,7 @@ from ggufcheck.checks.layers.options import LayerOptions
 
 def rel_errors(got: Tensor, want: Tensor) -> Tensor:
     """Per-position ||got - want|| / ||want|| [T] (float64; inf where got is not finite)."""
-    got, want = got.to(torch.float64), want.to(torch.float64)
+    got, want = got.to("cpu", torch.float64), want.to("cpu", torch.float64)  # (a GPU reference's too)
     num = (got - want).norm(dim=-1)
     den = want.norm(dim=-1)
     den = den.clamp_min(max(float(den.mean()) * 1e-6, 1e-300))

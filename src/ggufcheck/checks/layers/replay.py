@@ -39,16 +39,17 @@ class Replayer:
         h = h_in.to(dtype=ref.dtype, device=ref.device)
         pos = torch.arange(h.shape[0], device=ref.device)
         shared = {} if shared_topk is None else {"topk": shared_topk.to(ref.device)}
-        with torch.no_grad():
+        with torch.no_grad():  # compared with the engine's tensors on the CPU
             return ref.family.forward_layer(cfg, self.layer, w, h, ref.rope(pos, self.layer, cfg), pos, pos,
-                                            LayerCache(), shared)
+                                            LayerCache(), shared).to("cpu")
 
     def ffn(self, after_attn: Tensor, cfg=None, weights: Callable | None = None):
         ref = self.ref
         cfg = ref.cfg if cfg is None else cfg
         w = self.w if weights is None else weights(cfg, self.layer, self.w)
-        with torch.no_grad():
-            return ffn_parts(cfg, w, after_attn.to(dtype=ref.dtype, device=ref.device), self.layer)
+        with torch.no_grad():  # compared with the engine's tensors on the CPU
+            parts = ffn_parts(cfg, w, after_attn.to(dtype=ref.dtype, device=ref.device), self.layer)
+        return tuple(p.cpu() if isinstance(p, Tensor) else p for p in parts)
 
     def close(self) -> None:
         self.ref.weights.release(self.layer)
@@ -62,7 +63,7 @@ class ReplayedTrace:
     def __init__(self, reference, eng, tokens, chosen):
         from ggufcheck.reference.cache import LayerOutput
 
-        self.embeddings = reference.embed(list(tokens))
+        self.embeddings = reference.embed(list(tokens)).cpu()
         empty = LayerOutput(hidden=None, after_attn=None, attn_out=None, ffn_out=None)  # type: ignore[arg-type]
         self.layers = [empty] * reference.cfg.n_layer
 

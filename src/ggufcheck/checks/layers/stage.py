@@ -75,8 +75,8 @@ def run_layers_stage(engine, reference, tokens_list: Sequence[Sequence[int]], ba
                 ref_trace = ReplayedTrace(reference, eng, s, chosen)
                 base_trace = ReplayedTrace(baseline_reference, eng, s, chosen) if baseline_reference is not None else None
             else:
-                ref_trace = reference.prefill(s, trace=True)
-                base_trace = baseline_reference.prefill(s, trace=True) if baseline_reference is not None else None
+                ref_trace = on_cpu(reference.prefill(s, trace=True))
+                base_trace = on_cpu(baseline_reference.prefill(s, trace=True)) if baseline_reference is not None else None
         runs.append((eng, ref_trace, base_trace))
 
     report.add(ranks_agree([eng for eng, _r, _b in runs], opts))
@@ -186,6 +186,20 @@ def run_layers_stage(engine, reference, tokens_list: Sequence[Sequence[int]], ba
     report.info["first_diverging_layer"] = first
     report.info["localized_layer"] = found
     return report
+
+
+def on_cpu(trace):
+    """A trace of a GPU reference with its tensors on the CPU, where the engine's are compared."""
+    from dataclasses import fields, replace
+
+    def cpu(layer):
+        return replace(layer, **{f.name: getattr(layer, f.name).cpu() for f in fields(layer)
+                                 if isinstance(getattr(layer, f.name), torch.Tensor)})
+
+    if trace.embeddings.device.type != "cpu":
+        trace.layers = [cpu(layer) for layer in trace.layers]
+        trace.embeddings = trace.embeddings.cpu()
+    return trace
 
 
 def _judge_chosen(report: StageReport, per_layer, runs, reference, baseline_reference, kinds, opts: LayerOptions,
