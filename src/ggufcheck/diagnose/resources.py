@@ -42,7 +42,7 @@ BASE_BYTES = int(0.45 * GIB)  # python + torch + numba + the opened file's metad
 ACTIVATION_COPIES = 14  # [T, D]-sized tensors alive in one layer of the reference (residual, norms, projections)
 DEFAULT_MEMORY_SHARE = 0.8  # --max-memory default: this share of the memory available at start
 CACHE_SHARE = 0.25  # the weight cache takes at most this share of the memory available
-CACHE_CAP = 4 * GIB  # ... and at most this much, whatever the host
+CACHE_CAP = 2 * GIB  # ... and at most this much, whatever the host (small models that fit stay resident)
 
 
 @dataclass(frozen=True)

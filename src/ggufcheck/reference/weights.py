@@ -104,7 +104,8 @@ class WeightCache:
 
 def _default_budget() -> int:
     """GGUFCHECK_WEIGHT_CACHE (bytes, e.g. ``2e9``), else a quarter of the memory available
-    now, at most 4 GiB (the plan, ``diagnose/budget.py``, sets it from the model and host)."""
+    now, at most 2 GiB (a diagnosis's plan, ``diagnose/resources.py``, sets it from the model
+    and the host)."""
     env = os.environ.get("GGUFCHECK_WEIGHT_CACHE")
     if env:
         return int(float(env))
@@ -112,7 +113,7 @@ def _default_budget() -> int:
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         avail = 4 << 30
-    return min(avail // 4, 4 << 30)
+    return min(avail // 4, 2 << 30)
 
 
 _SHARED: WeightCache | None = None
