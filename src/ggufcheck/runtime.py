@@ -84,6 +84,10 @@ def configure() -> int | None:
     return n
 
 
+MMAP_THRESHOLD_BYTES = 32 << 20  # allocations up to this size come from (and go back to) glibc's heap
+TRIM_THRESHOLD_BYTES = 256 << 20  # freed heap memory glibc keeps (counted in the plan's fixed part)
+
+
 def keep_freed_memory() -> bool:
     """Ask glibc to serve allocations up to 32 MB from its heap and keep up to 256 MB freed there.
 
@@ -102,7 +106,8 @@ def keep_freed_memory() -> bool:
 
         libc = ctypes.CDLL("libc.so.6")
         M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 256 << 20))
+        return (bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+                and bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)))
     except (OSError, AttributeError):
         return False
 

@@ -17,7 +17,8 @@ will hold and how long it will take, then decides:
 The estimates are upper bounds built from the terms below (their sum, not measured), and
 ``benchmarks/scale.py`` prints them beside the measured peaks. A reference pass over T tokens:
 
-- fixed: the interpreter with torch and numba (``BASE_BYTES``);
+- fixed: the interpreter with torch and numba's compiled kernels, and the freed heap memory
+  glibc is told to keep (``runtime.keep_freed_memory``): ``BASE_BYTES``;
 - weights in flight: at most a few row blocks and one expert (``reference/weights.py``);
 - activations: ~``ACTIVATION_COPIES`` [T, D] tensors per layer in flight, the attention's
   per-head projections ([S, H, d] keys and values of the naive MLA form), one block of scores
@@ -37,8 +38,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ggufcheck.runtime import TRIM_THRESHOLD_BYTES
+
 GIB = 1 << 30
-BASE_BYTES = int(0.45 * GIB)  # python + torch + numba + the opened file's metadata (measured: 0.3-0.5 GB)
+# python + torch + numba with its kernels compiled + the opened file's metadata (measured 0.50 GiB
+# after one GLM-5-dims pass), and up to the trim threshold of freed heap memory that glibc keeps
+BASE_BYTES = int(0.5 * GIB) + TRIM_THRESHOLD_BYTES
 ACTIVATION_COPIES = 14  # [T, D]-sized tensors alive in one layer of the reference (residual, norms, projections)
 DEFAULT_MEMORY_SHARE = 0.8  # --max-memory default: this share of the memory available at start
 CACHE_SHARE = 0.25  # the weight cache takes at most this share of the memory available
