@@ -85,6 +85,43 @@ def combined_baseline(measured: Baseline | None, activation_dtype: str) -> Basel
     )
 
 
+class Scorer:
+    """Each token sequence scored once on a judging engine (the reference, the baseline run).
+
+    Both are causal: a prefix's rows are the first rows of any longer sequence that starts
+    with it. So a sequence that is a prefix of one already scored, or of the ``planned`` one
+    (the length sweep's sequence, known once the generations are: it starts with the longest
+    generated sequence), is read from that sequence's first rows instead of a pass of its own
+    (SmolLM2: the long decode's 272 tokens inside the 520-token sweep, on both engines).
+    ``keep``: keep every table scored (the reference's are read again by later checks), else
+    only the planned one's."""
+
+    def __init__(self, engine: Engine, say: Progress, keep: bool = True):
+        self.engine, self.say, self.keep = engine, say, keep
+        self.planned: tuple[int, ...] | None = None
+        self.tables: dict[tuple[int, ...], TokenLogprobs] = {}
+
+    def __call__(self, seq: Sequence[int]) -> TokenLogprobs:
+        from ggufcheck.checks.lengths import prefix_rows
+
+        key = tuple(int(t) for t in seq)
+        if key in self.tables:
+            return self.tables[key]
+        for longer, table in self.tables.items():
+            if len(longer) > len(key) and longer[:len(key)] == key:
+                return prefix_rows(table, len(key))
+        if self.planned is not None and len(self.planned) > len(key) and self.planned[:len(key)] == key:
+            return prefix_rows(self(self.planned), len(key))
+        self.say(f"scoring {len(key)} tokens on {self.engine.name}")
+        table = self.engine.score(list(key))
+        if self.keep or key == self.planned:
+            self.tables[key] = table
+        return table
+
+    def forget(self) -> None:
+        self.tables.clear()
+
+
 def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference: Engine | None = None,
                 reference_reason: str = "no reference engine was given", baseline_engine: Engine | None = None,
                 options: CompareOptions = CompareOptions(), progress: Progress | None = None,
@@ -101,14 +138,15 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
     # served prompt log-probs at the wrong rows (an API dialect) are named first, then every
     # check judges the realigned rows
     ref_tables, alignment = None, None
-    scored: dict[tuple[int, ...], TokenLogprobs] = {}
+    reference_score = Scorer(reference, say) if reference is not None else None
+    baseline_score = Scorer(baseline_engine, say, keep=False) if baseline_engine is not None else None
 
-    def reference_score(seq) -> TokenLogprobs:  # each sequence scored once on the reference
-        key = tuple(int(t) for t in seq)
-        if key not in scored:
-            say(f"scoring {len(key)} tokens on {reference.name}")
-            scored[key] = reference.score(list(key))
-        return scored[key]
+    def plan_sweep(generations) -> None:  # the sweep's sequence, scored first on the judging engines
+        if options.sweep_to and reference is not None:
+            planned = tuple(_sweep_sequence(engine, seqs, generations, options))
+            for scorer in (reference_score, baseline_score):
+                if scorer is not None:
+                    scorer.planned = planned
 
     if reference is not None:
         if hasattr(reference, "tie_margin"):  # DSA top-k near-ties the engine's class may flip
@@ -128,6 +166,7 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
 
     paths_stage = StageReport("paths", info={"engine": engine.describe()})
     generations = []
+    forced_tables: dict[tuple[int, ...], TokenLogprobs] = {}  # the engine's teacher-forced generations
     if options.run_paths:
         popts = PathOptions(max_new_tokens=options.max_new_tokens, decode_prompts=options.decode_prompts,
                             chunk_sizes=options.chunk_sizes, tolerance=options.tolerance, top_k=options.top_k,
@@ -141,7 +180,7 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
                 return combined_baseline(None, judged)
             refs = [reference_score(s) for s in sequences]
             say(f"scoring {len(refs)} sequences on {baseline_engine.name} (baseline of a failing path pair)")
-            measured = baseline_from(collect([(r, baseline_engine.score(list(r.tokens))) for r in refs]),
+            measured = baseline_from(collect([(r, baseline_score(r.tokens)) for r in refs]),
                                      f"measured {_short(baseline_engine)} vs {_short(reference)}")
             return combined_baseline(measured, judged)
 
@@ -149,7 +188,7 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
                                          ambiguity=ambiguity,
                                          reference_score=reference_score if reference is not None else None,
                                          reference_baseline=baseline_on if reference is not None else None,
-                                         progress=say)
+                                         progress=say, forced_tables=forced_tables, on_generations=plan_sweep)
         paths_stage.add(results)
         paths_stage.info["baseline"] = path_baseline.source
     else:
@@ -174,16 +213,19 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
         longest = max(len(q) for q in seqs)
         for g in generations[:1]:  # the long decode's sequence, teacher-forced: prefill positions past the prompts
             if len(g.generated) > options.max_new_tokens and len(g.sequence) > longest:
-                try:
-                    long_table = engine.score(list(g.sequence), top_k=options.top_k)
-                except Unsupported:
-                    continue
+                long_table = forced_tables.get(tuple(int(t) for t in g.sequence))
+                if long_table is None:
+                    try:
+                        long_table = engine.score(list(g.sequence), top_k=options.top_k)
+                    except Unsupported:
+                        continue
                 judged_refs.append(reference_score(g.sequence))
                 judged_tables.append(long_table)
+        forced_tables.clear()  # [T, V] each: not held through the sweep
         measured, base_tables = None, None
         if baseline_engine is not None:  # on the very sequences judged (the long one accumulates more)
             say(f"scoring {len(judged_refs)} sequences on {baseline_engine.name} (baseline)")
-            base_tables = [baseline_engine.score(list(r.tokens)) for r in judged_refs]
+            base_tables = [baseline_score(r.tokens) for r in judged_refs]
             measured = baseline_from(collect(list(zip(judged_refs, base_tables))),
                                      f"measured {_short(baseline_engine)} vs {_short(reference)}")
         # held to the coarser of the two sides' classes: another engine as the reference rounds too
@@ -207,8 +249,10 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
         logits_stage.add(prefill_checks)
         if skipped_dsa is not None:
             logits_stage.add(skipped_dsa)
-        sweep = (_sweep(engine, seqs, generations, reference_score, baseline, options, say, baseline_engine)
-                 if options.sweep_to else None)
+        sweep = (_sweep(engine, seqs, generations, reference_score, baseline, options, say, baseline_score,
+                        known=judged_tables) if options.sweep_to else None)
+        if baseline_score is not None:
+            baseline_score.forget()  # the sweep's [T, V] baseline table
         if sweep is not None:
             logits_stage.add(sweep)
         logits_stage.info["per_position"] = per_position(metrics, judged_refs, judged_tables,
@@ -224,7 +268,7 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
             if _mostly_ties(decode_metrics) and baseline_engine is not None:
                 refs = [reference_score(g.sequence) for g in generations]
                 decode_metrics, decode_baseline, decode_note = _judged_through_ties(
-                    refs, [g.steps for g in generations], [baseline_engine.score(list(r.tokens)) for r in refs],
+                    refs, [g.steps for g in generations], [baseline_score(r.tokens) for r in refs],
                     decode_metrics.ambiguous, f"measured {_short(baseline_engine)} vs {_short(reference)}",
                     judged_class)
             checks = judge(decode_metrics, decode_baseline, options.tolerance, component="decode")
@@ -253,24 +297,32 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
     return [sanity_stage, logits_stage, paths_stage]
 
 
+def _sweep_sequence(engine: Engine, seqs, generations, options: CompareOptions) -> list[int]:
+    """The length sweep's one long sequence (checks.lengths.sweep_sequence) for this engine."""
+    from ggufcheck.checks.lengths import sweep_sequence
+
+    longest = min(options.sweep_to, engine.capabilities.max_sequence or options.sweep_to)
+    return sweep_sequence([*seqs, *(g.sequence for g in generations)], longest)
+
+
 def _sweep(engine: Engine, seqs, generations, reference_score, baseline: Baseline, options: CompareOptions,
-           say: Progress, baseline_engine: Engine | None = None) -> Result:
-    """The prefill length sweep (checks.lengths) on one long sequence built from the prompts."""
-    from ggufcheck.checks.lengths import check_prefill_lengths, landmarks, sweep_sequence
+           say: Progress, baseline_score=None, known: Sequence[TokenLogprobs] = ()) -> Result:
+    """The prefill length sweep (checks.lengths) on one long sequence built from the prompts;
+    ``known``: tables the engine already scored (those of prefixes of that sequence are reused)."""
+    from ggufcheck.checks.lengths import check_prefill_lengths, landmarks
 
     caps = engine.capabilities
-    longest = min(options.sweep_to, caps.max_sequence or options.sweep_to)
-    sequence = sweep_sequence([*seqs, *(g.sequence for g in generations)], longest)
+    sequence = _sweep_sequence(engine, seqs, generations, options)
     marks = landmarks(indexer_top_k=options.indexer_top_k, micro_batch=caps.prefill_micro_batch,
                       longest=len(sequence))
     if not marks:
         return skipped("logits.prefill_lengths", "prefill",
                        f"the prompts make only {len(sequence)} tokens: below every landmark length")
     say(f"sweeping prompt lengths up to {len(sequence)} tokens across {len(marks)} landmarks")
-    # the baseline run's table passed inline (no local): the callee drops it once it has its KL per row
     return check_prefill_lengths(engine, sequence, reference_score(sequence), baseline, options.tolerance, marks,
                                  options.top_k,
-                                 measured=baseline_engine.score(sequence) if baseline_engine is not None else None)
+                                 measured=baseline_score(sequence) if baseline_score is not None else None,
+                                 known={len(t): t for t in known if list(t.tokens) == sequence[:len(t)]})
 
 
 def _score_what_the_engine_takes(engine: Engine, seqs: list[list[int]], top_k: int, say: Progress | None = None):

@@ -5,7 +5,9 @@ query sees more than the indexer's top_k, llama.cpp splits a prompt into micro-b
 n_ubatch (512) tokens, paged caches fill a block of 16 / 64 / 256 tokens. A fault in one of
 those paths is invisible to prompts shorter than its threshold, and a divergence that starts
 exactly there is that component's fingerprint. So the sweep scores prefixes of one long token
-sequence whose lengths straddle every such landmark (b and b + 1 tokens) and judges each
+sequence whose lengths straddle every such landmark (b + 1 tokens, the first of each path;
+and b, the last of the one before, where b + 1 fails: half the engine's tokens on a healthy
+engine, the same answer on a faulty one) and judges each
 prefix's rows against the reference's rows of the whole sequence (the reference is causal: a
 prefix's rows are the sequence's first rows; one reference prefill serves every length).
 
@@ -57,7 +59,7 @@ def landmarks(*, indexer_top_k: int | None = None, micro_batch: int | None = Non
 
 
 def sweep_lengths(marks: Sequence[Landmark]) -> list[int]:
-    """b and b + 1 for every landmark b."""
+    """b and b + 1 for every landmark b (the lengths the sweep may score)."""
     return sorted({n for m in marks for n in (m.length, m.length + 1)})
 
 
@@ -84,7 +86,7 @@ def sweep_sequence(seqs: Sequence[Sequence[int]], length: int) -> list[int]:
     return out[:length]
 
 
-def _prefix(table: TokenLogprobs, n: int) -> TokenLogprobs:
+def prefix_rows(table: TokenLogprobs, n: int) -> TokenLogprobs:
     """The reference's rows of the first ``n`` tokens (causal: equal to scoring the prefix)."""
     cut = lambda a: None if a is None else a[:n]  # noqa: E731
     return TokenLogprobs(table.tokens[:n], table.vocab_size, cut(table.logprobs), cut(table.topk_ids),
@@ -93,13 +95,17 @@ def _prefix(table: TokenLogprobs, n: int) -> TokenLogprobs:
 
 def check_prefill_lengths(engine: Engine, sequence: Sequence[int], reference: TokenLogprobs, baseline: Baseline,
                           tolerance: LogitTolerance, marks: Sequence[Landmark], top_k: int = 20,
-                          measured: TokenLogprobs | None = None) -> Result:
+                          measured: TokenLogprobs | None = None,
+                          known: dict[int, TokenLogprobs] | None = None) -> Result:
     """Score each sweep length's prefix of ``sequence`` on ``engine`` and judge it against the
     reference's rows (``reference`` is the reference's table of the whole ``sequence``).
     ``measured``: the baseline run's table of the same sequence (an emulation of the engine's
     class, reference.precision); where its error at a length exceeds ``baseline``, the limits
-    of that length grow with it (long prompts accumulate more rounding and more flips)."""
-    lengths = [n for n in sweep_lengths(marks) if n <= len(sequence)]
+    of that length grow with it (long prompts accumulate more rounding and more flips).
+    ``known``: the engine's tables of prefixes of ``sequence`` it already scored, by length
+    (a prompt, the long decode teacher-forced), used in place of scoring a length of the same
+    path again."""
+    lengths = [n for n in sweep_lengths(marks) if n <= len(sequence)]  # b, b + 1, b', b' + 1, ...
     if not lengths:
         return skipped(CHECK, "prefill", f"no landmark length below the {len(sequence)}-token sweep sequence")
 
@@ -120,29 +126,53 @@ def check_prefill_lengths(engine: Engine, sequence: Sequence[int], reference: To
         limit = tolerance.multiple * kl_mean + tolerance.kl_floor
         return limit, max(tolerance.multiple * kl_p99 + tolerance.kl_p99_floor, limit)
 
-    limit, max_limit = limits(lengths[0])
     rows: list[dict] = []
     refused = None
     longest_rows: tuple[np.ndarray, np.ndarray] | None = None  # (position, KL) of the longest length scored
-    for n in lengths:
-        try:
-            table = engine.score(list(sequence[:n]), top_k=top_k)
-        except Unsupported as why:
-            refused = f"{n} tokens refused ({why})"
-            break
-        m = collect([(_prefix(reference, n), table)])
+
+    def score(n: int) -> dict | None:
+        nonlocal refused, longest_rows
+        table = known.get(n)
+        if table is None:
+            try:
+                table = engine.score(list(sequence[:n]), top_k=top_k)
+            except Unsupported as why:
+                refused = f"{n} tokens refused ({why})"
+                return None
+        m = collect([(prefix_rows(reference, n), table)])
         if m.n == 0:
-            continue
+            return None
         limit, max_limit = limits(n)
         kl = np.nan_to_num(m.kl, nan=np.inf)
-        longest_rows = (m.position, kl)
-        mean, p99 = float(np.mean(kl)), float(np.percentile(kl, 99))
-        rows.append({"length": n, "mean_kl": mean, "p99_kl": p99, "max_kl": float(np.max(kl)),
-                     "kl_limit": limit, "kl_p99_limit": max_limit,
-                     "onset": _onset(kl > max_limit, m.position)})
+        if longest_rows is None or n > int(longest_rows[0].max(initial=-1)):
+            longest_rows = (m.position, kl)
+        mean = float(np.mean(kl))
+        row = {"length": n, "mean_kl": mean, "p99_kl": float(np.percentile(kl, 99)), "max_kl": float(np.max(kl)),
+               "kl_limit": limit, "kl_p99_limit": max_limit, "onset": _onset(kl > max_limit, m.position)}
         # a length fails on its mean, or where its rows go wrong from some position on; not on a
         # percentile, which over a short prefix is one row (a routing near-tie flip)
-        rows[-1]["ok"] = bool(mean <= limit and rows[-1]["onset"] is None)
+        row["ok"] = bool(mean <= limit and row["onset"] is None)
+        rows.append(row)
+        return row
+
+    # One length per path: b + 1 for each landmark b (the first length past it), or a length
+    # the engine already scored in (b, next landmark] (``known``); where it fails, b + 1 and b:
+    # does b pass (a threshold at b), or fail too? A healthy engine is scored at half the
+    # lengths or fewer.
+    bounds = sorted({m.length for m in marks if m.length <= len(sequence)})
+    known = {n: t for n, t in (known or {}).items() if 2 <= n <= len(sequence)}
+    for i, b in enumerate(bounds):
+        upper = bounds[i + 1] if i + 1 < len(bounds) else len(sequence)
+        first = b + 1 if b + 1 <= len(sequence) else b
+        reuse = max((n for n in known if b < n <= upper), default=None)
+        got = score(reuse if reuse is not None else first)
+        if got is not None and not got["ok"] and not refused:
+            for n in (first, b):
+                if n not in (r["length"] for r in rows) and not refused:
+                    score(n)
+        if refused:
+            break
+    rows.sort(key=lambda r: r["length"])
     stats = {"lengths": rows, "baseline": baseline.source + ("; per length, the baseline run's error where larger"
                                                              if measured is not None else "")}
     if not rows:
@@ -152,7 +182,7 @@ def check_prefill_lengths(engine: Engine, sequence: Sequence[int], reference: To
     tail = f"; longer prompts not tried: {refused}" if refused else ""
     if all(r["ok"] for r in rows):
         longest = rows[-1]
-        return passed(CHECK, "prefill", f"prompts of {judged} tokens (each landmark b and b + 1) agree with the "
+        return passed(CHECK, "prefill", f"prompts of {judged} tokens (one past each landmark b) agree with the "
                                         f"reference (at {longest['length']}: mean KL {longest['mean_kl']:.3g} within "
                                         f"{longest['kl_limit']:.3g}, no run of rows over {longest['kl_p99_limit']:.3g})"
                                         + tail, stats=stats)

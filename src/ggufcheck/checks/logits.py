@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ggufcheck.comparison import Comparison, to_result
-from ggufcheck.engines.base import TokenLogprobs, row_blocks
+from ggufcheck.engines.base import TokenLogprobs
 from ggufcheck.results import Result, failed, passed, skipped
 
 PERCENTILES = (50.0, 90.0, 95.0, 99.0, 99.9)
@@ -166,17 +166,11 @@ def compare_tables(reference: TokenLogprobs, engine: TokenLogprobs) -> dict[str,
 
 
 def _full_kl_nmse(ref: np.ndarray, eng: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """KL(ref || eng) and the NMSE of log-softmax at ``rows`` of two [T, V] tables, a block of
-    rows at a time (whole-table temporaries of a 262k vocabulary over 500 rows are GBs each)."""
-    kl = np.empty(len(rows))
-    nmse = np.empty(len(rows))
-    for part in row_blocks(len(rows), ref.shape[1]):
-        lr = ref[rows[part]].astype(np.float64)  # [n, V]
-        le = eng[rows[part]].astype(np.float64)
-        diff = lr - le
-        kl[part] = (np.exp(lr) * diff).sum(axis=1)
-        nmse[part] = (diff * diff).mean(axis=1) / np.maximum(lr.var(axis=1), 1e-30)
-    return kl, nmse
+    """KL(ref || eng) and the NMSE of log-softmax at ``rows`` of two [T, V] tables, one fused
+    pass per row, rows in parallel (engines/rowwise.py: no [rows, V] temporaries)."""
+    from ggufcheck.engines.rowwise import kl_nmse
+
+    return kl_nmse(ref, eng, rows)
 
 
 def _topk_tail_kl(reference: TokenLogprobs, engine: TokenLogprobs, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -343,7 +343,12 @@ def _finish(plan: ResourcePlan, options: Any, host: Host, item: int) -> Resource
                         f"(--max-memory; this host: {host.describe()})")
     model_bytes = m.n_weights * item
     budget = max(0, min(limit - working, int(CACHE_SHARE * host.ram_available), CACHE_CAP))
-    if model_bytes <= budget:
+    # the fp32 baseline run reads every weight too: when both copies fit, both stay (on SmolLM2
+    # the baseline otherwise dequantized every tensor on every one of its ~10 passes)
+    both = m.n_weights * (item + 4) if item == 8 and getattr(options, "baseline", "none") != "none" else 0
+    if both and both <= budget:
+        plan.cache_budget, plan.compact = both, False
+    elif model_bytes <= budget:
         plan.cache_budget, plan.compact = model_bytes, False
     else:
         plan.cache_budget, plan.compact = budget, True

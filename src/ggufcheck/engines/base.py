@@ -41,6 +41,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from ggufcheck.engines import rowwise
 from ggufcheck.errors import Unavailable
 
 # Per-layer tensor kinds an engine may expose through ``layer_outputs``.
@@ -173,9 +174,11 @@ class TokenLogprobs:
     def top_k(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """([T, k] ids, [T, k] log-probs) sorted by decreasing log-probability (a full table is
         partitioned a block of rows at a time: a [T, V] index array of a 262k vocabulary over
-        500 rows would be 1 GB)."""
+        500 rows would be 1 GB); small k in one pass per row, rows in parallel (engines/rowwise.py)."""
         if self.logprobs is not None:
             k = min(k, self.vocab_size)
+            if k <= rowwise.MAX_K:
+                return rowwise.top_k(self.logprobs, k)
             ids_parts, val_parts = [], []
             for rows in row_blocks(len(self.logprobs), self.logprobs.shape[1]):
                 block = self.logprobs[rows]
@@ -366,19 +369,14 @@ class GGUFVocabTokenizer:
 
 def log_softmax(logits: np.ndarray, dtype: type = np.float64) -> np.ndarray:
     """Row-wise log-softmax (a constant shift of the logits is not an error), computed in float64
-    a block of rows at a time and returned as ``dtype``: on a 262k vocabulary a whole-table
-    float64 pass over a 513-token prompt held four 1 GB temporaries."""
+    and returned as ``dtype``, one fused pass per row, rows in parallel (engines/rowwise.py: no
+    [rows, V] temporaries, which on a 262k vocabulary over a 513-token prompt were 1 GB each)."""
+    from ggufcheck.engines.rowwise import log_softmax_rows
+
     x = np.asarray(logits)
     if x.ndim == 1:
         return log_softmax(x[None], dtype)[0]
-    out = np.empty(x.shape, dtype=dtype)
-    for rows in row_blocks(x.shape[0], x.shape[-1]):
-        block = x[rows].astype(np.float64)
-        m = block.max(axis=-1, keepdims=True)
-        block -= m
-        block -= np.log(np.exp(block).sum(axis=-1, keepdims=True))
-        out[rows] = block
-    return out
+    return log_softmax_rows(x.reshape(-1, x.shape[-1]), dtype).reshape(x.shape)
 
 
 def reasons(**why: str) -> Mapping[str, str]:

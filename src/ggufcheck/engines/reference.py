@@ -17,6 +17,10 @@ import numpy as np
 from ggufcheck.engines.base import LAYER_KINDS, Capabilities, Engine, GGUFVocabTokenizer, Generation, LayerTrace, TokenLogprobs, reasons
 
 
+# traced passes' tables kept for score() (remember): a few prompts' [T, V], not a long sequence's
+REMEMBER_BYTES = 256 << 20
+
+
 class ReferenceEngine(GGUFVocabTokenizer, Engine):
     """The reference model over a GGUF file, ``dtype`` "fp64" (default) or "fp32"."""
 
@@ -39,6 +43,8 @@ class ReferenceEngine(GGUFVocabTokenizer, Engine):
         self.name = (f"reference {dtype} emulating {emulation.describe()} ({Path(model_path).name})"
                      if emulation is not None else f"reference {dtype} ({Path(model_path).name})")
         self._tokenizer = None
+        self._remembered: dict[tuple[int, ...], tuple[Any, list]] = {}  # tokens -> (log-probs, marks)
+        self._remembered_bytes = 0
         tokenizer_ok, why = self._load_tokenizer()
         self.capabilities = Capabilities(
             tokenize=tokenizer_ok, score=True, full_vocab=True, max_top_k=self.vocab_size, generate=True,
@@ -58,8 +64,26 @@ class ReferenceEngine(GGUFVocabTokenizer, Engine):
         except Exception as err:  # noqa: BLE001 - any tokenizer problem just removes the capability
             return False, f"the GGUF's tokenizer is unavailable here: {err}"
 
+    def remember(self, tokens: Sequence[int], trace: Any) -> None:
+        """A traced prefill of ``tokens`` on this engine's own model (the layers stage runs one
+        per prompt): its log-probs (and per-layer marks) serve :meth:`score` of the same tokens
+        once, instead of running the same pass again; at most REMEMBER_BYTES of tables held."""
+        logprobs = trace.logprobs
+        size = logprobs.numel() * 8
+        if self._remembered_bytes + size > REMEMBER_BYTES:
+            return
+        from types import SimpleNamespace
+
+        marks = ([SimpleNamespace(topk_gap=layer.topk_gap, topk_ties=layer.topk_ties, router_gap=layer.router_gap)
+                  for layer in trace.layers] if self._needs_marks() else [])  # what score() reads of a layer
+        self._remembered[tuple(int(t) for t in tokens)] = (logprobs.detach().cpu(), marks)
+        self._remembered_bytes += size
+
+    def _needs_marks(self) -> bool:
+        return bool(self.model.cfg.has_indexer or self.model.cfg.n_expert > 0)
+
     def _table(self, tokens: list[int], logits: Any) -> TokenLogprobs:
-        return TokenLogprobs(tokens, self.vocab_size, log_softmax_inplace(logits))
+        return TokenLogprobs(tokens, self.vocab_size, log_softmax_rows(logits))
 
     def score(self, tokens: Sequence[int], *, top_k: int = 20) -> TokenLogprobs:
         """Prefill log-probs; with a DSA indexer, rows where any layer's top-k has a boundary tie
@@ -69,10 +93,14 @@ class ReferenceEngine(GGUFVocabTokenizer, Engine):
         rows whose routing gap is below it in any layer (checks.logits.ROUTER_TIE_MARGINS)."""
         tokens = [int(t) for t in tokens]
         routed = self.model.cfg.n_expert > 0 and self.router_margin > 0
+        remembered = self._remembered.pop(tuple(tokens), None)  # the same pass, already run (remember)
+        if remembered is not None:
+            self._remembered_bytes -= remembered[0].numel() * 8
         with self._torch.no_grad():
             if not self.model.cfg.has_indexer and not routed:
-                return self._table(tokens, self.model.prefill(tokens, trace=False))  # [T, V]
-            logits, layers = self.model.prefill_marks(tokens)
+                logits = remembered[0] if remembered is not None else self.model.prefill(tokens, trace=False)
+                return self._table(tokens, logits)  # [T, V]
+            logits, layers = remembered if remembered is not None else self.model.prefill_marks(tokens)
         ties = np.zeros(len(tokens), dtype=bool)
         for layer in layers:
             if layer.topk_gap is not None:
@@ -166,28 +194,14 @@ class ReferenceEngine(GGUFVocabTokenizer, Engine):
 
 
 def log_softmax_rows(logits: Any) -> np.ndarray:
-    """torch.log_softmax of a [T, V] tensor over its rows as float64 numpy, computed a block of
-    rows at a time in place (the same values as one call: each row is its own reduction), so
-    a long prompt's table is held once, not three times."""
+    """Row-wise log-softmax of a [T, V] torch tensor as float64 numpy, in place in its float64
+    CPU copy (no copy when already fp64 on the CPU), one fused pass per row, rows in parallel
+    (engines/rowwise.py; torch's log_softmax / logsumexp held [T, V] temporaries, and on
+    SmolLM2's 49k vocabulary took 1.6 s of a diagnosis)."""
     import torch
 
-    from ggufcheck.engines.base import row_blocks
+    from ggufcheck.engines.rowwise import log_softmax_rows as rows
 
-    out = logits.detach().to("cpu", torch.float64)
-    for rows in row_blocks(out.shape[0], out.shape[1]):
-        out[rows] = torch.log_softmax(out[rows], dim=-1)
-    return out.numpy()
+    out = logits.detach().to("cpu", torch.float64).numpy()
+    return rows(out, np.float64, out=out)
 
-
-def log_softmax_inplace(logits: Any) -> np.ndarray:
-    """Row-wise log-softmax of a [T, V] torch tensor as float64 numpy, a block of rows at a
-    time and in place (on a 262k vocabulary a whole-table log_softmax held 3 copies of 1 GB)."""
-    import torch
-
-    from ggufcheck.engines.base import row_blocks
-
-    out = logits.detach().to("cpu", torch.float64)  # no copy when already fp64 on the CPU
-    for rows in row_blocks(out.shape[0], out.shape[1]):
-        block = out[rows]
-        block.sub_(torch.logsumexp(block, dim=-1, keepdim=True))
-    return out.numpy()

@@ -30,13 +30,16 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def run_layers_stage(engine, reference, tokens_list: Sequence[Sequence[int]], baseline_reference=None,
                      options: LayerOptions | None = None, progress: Callable[[str], None] | None = None,
-                     chosen: Sequence[int] | None = None) -> StageReport:
+                     chosen: Sequence[int] | None = None,
+                     remember: Callable[[Any, Sequence[int], Any], None] | None = None) -> StageReport:
     """Bisect the layers of ``engine`` against ``reference`` (a fp64 ReferenceModel).
 
     ``baseline_reference`` (a fp32 ReferenceModel of the same file) gives the per-layer
     baselines; without it only the floor and the activation class allowance apply.
     ``chosen`` (``--layers``): only these layers, each replayed on the engine's own input to
     it (their weights are the only ones read; an error does not carry from layer to layer).
+    ``remember(model, tokens, trace)`` is given each whole traced pass (the served stage scores
+    the same prompts: its reference engines reuse them).
     """
     opts = options or LayerOptions()
     emulation = getattr(baseline_reference, "emulation", None)
@@ -77,6 +80,10 @@ def run_layers_stage(engine, reference, tokens_list: Sequence[Sequence[int]], ba
             else:
                 ref_trace = on_cpu(reference.prefill(s, trace=True))
                 base_trace = on_cpu(baseline_reference.prefill(s, trace=True)) if baseline_reference is not None else None
+                if remember is not None:
+                    remember(reference, s, ref_trace)
+                    if base_trace is not None:
+                        remember(baseline_reference, s, base_trace)
         runs.append((eng, ref_trace, base_trace))
 
     report.add(ranks_agree([eng for eng, _r, _b in runs], opts))
@@ -378,5 +385,12 @@ def run(session: "Session") -> list[StageReport]:
         return [report]
     baseline = session.baseline_model()  # loaded first: the label follows the work
     session.say("comparing every layer with the reference")
+    engines = [e for e in (trusted, session.baseline()) if hasattr(e, "remember")]
+
+    def remember(model, tokens, trace) -> None:  # the served stage scores these prompts again
+        for e in engines:
+            if e.model is model:
+                e.remember(tokens, trace)
+
     return [run_layers_stage(engine, reference, session.tokens(), baseline_reference=baseline, progress=session.say,
-                             chosen=session.options.layers)]
+                             chosen=session.options.layers, remember=remember)]
