@@ -11,6 +11,7 @@ with the tensor, before the layers stage sees its consequences.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Mapping
 
 import torch
@@ -46,20 +47,60 @@ def run(session: "Session") -> list[StageReport]:
         return [report]
     caps = engine.capabilities
     params = hf_params(spec, table, model.tensors, caps.weight_layout)
+    experts = session.options.experts
     names = sorted(n for n, p in params.items()
-                   if all(session.options.tensor_chosen(e.name) for e in p.group.inputs.values()))
-    if len(names) < len(params):
-        report.info["not_checked"] = f"{len(params) - len(names)} parameters of layers outside --layers"
-    session.say(f"auditing {len(names)} loaded parameters on {caps.tp_size} rank(s)")
-    report.add(check_engine_weights(model, spec, table, engine, names))
+                   if all(session.options.tensor_chosen(e.name) for e in p.group.inputs.values())
+                   and (experts is None or expert_of(n) is None or expert_of(n) in experts))
+    unchecked = []
+    outside_layers = sum(1 for p in params.values()
+                         if not all(session.options.tensor_chosen(e.name) for e in p.group.inputs.values()))
+    if outside_layers:
+        unchecked.append(f"{outside_layers} parameters of layers outside --layers")
+    if experts is not None and spec.moe is not None:
+        unchecked.append(f"routed experts other than {_ranges(experts)} ({spec.moe.n_expert - len(experts)} of "
+                         f"{spec.moe.n_expert} per MoE layer): --experts")
+        report.info["chosen_experts"] = list(experts)
+    if unchecked:
+        report.info["not_checked"] = "; ".join(unchecked)
+    session.say(f"auditing {len(names)} loaded parameters on {caps.tp_size} rank(s)"
+                + (f", experts {_ranges(experts)}" if experts is not None else ""))
+    report.add(check_engine_weights(model, spec, table, engine, names, experts=experts,
+                                    not_chosen=set(params) - set(names)))
     report.info.update(tp=caps.tp_size, parameters=len(names), layout=caps.weight_layout)
     return [report]
 
 
+def expert_of(hf_name: str) -> int | None:
+    """The routed expert a per-expert parameter belongs to (``...experts.5.gate_proj.weight``
+    -> 5); None for every other parameter, stacked experts included."""
+    match = _EXPERT_NAME.search(hf_name)
+    return int(match.group(1)) if match else None
+
+
+_EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.")
+
+
+def _ranges(indices) -> str:
+    """(0, 1, 2, 5) -> '0-2,5'."""
+    out, run = [], []
+    for i in sorted(indices):
+        if run and i != run[-1] + 1:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(i)
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
+
+
 def check_loaded_weights(model: "GGUFModel", spec: ArchSpec, table: TensorTable,
                          loaded: Mapping[int, Mapping[str, Tensor]], tp: int,
-                         layout: str = "checkpoint") -> list[Result]:
-    """Every rank's loaded parameters against their expected slices (see module docstring)."""
+                         layout: str = "checkpoint", experts: tuple[int, ...] | None = None) -> list[Result]:
+    """Every rank's loaded parameters against their expected slices (see module docstring).
+
+    ``experts`` (``--experts``): of the stacked expert parameters, only these experts' rows
+    are read and compared. Per-expert parameters (``experts.{e}.*``) are expected one expert
+    at a time, so an audit holds one expert's tensor, not the layer's stack."""
     params = hf_params(spec, table, model.tensors, layout)
     if "lm_head.weight" not in params and "token_embd.weight" in model.tensors:  # tied embeddings
         embed = params.get("model.embed_tokens.weight")
@@ -73,7 +114,7 @@ def check_loaded_weights(model: "GGUFModel", spec: ArchSpec, table: TensorTable,
         results.append(skipped("weights.loaded.unknown", "weights",
                                f"{len(unknown)} loaded parameter(s) have no table row (not audited), e.g. {unknown[0]}",
                                stats={"names": unknown[:50]}))
-    blocked = _expert_blocked(model, params, loaded, tp)
+    blocked = _expert_blocked(model, params, loaded, tp, every_size=experts is not None)
     for per_rank in loaded.values():
         if blocked:  # (only LazyRankWeights read blocks; plain dicts of tensors are audited whole)
             per_rank.by_block = blocked  # type: ignore[attr-defined]
@@ -81,13 +122,15 @@ def check_loaded_weights(model: "GGUFModel", spec: ArchSpec, table: TensorTable,
     for rank in sorted(loaded):
         for name, got in loaded[rank].items():
             if name in params:
-                work.setdefault(id(params[name].group), []).append((rank, name, got, params[name]))
+                key = (id(params[name].group), expert_of(name) if params[name].group.transform == "unstack_experts"
+                       else None)
+                work.setdefault(key, []).append((rank, name, got, params[name]))
     n_ok = dict.fromkeys(sorted(loaded), 0)
     n_fail = dict.fromkeys(sorted(loaded), 0)
     unlisted: dict[int, dict[str, int]] = {r: {} for r in sorted(loaded)}  # rank -> component -> count
     unlisted_layers: dict[int, list[int]] = {r: [] for r in sorted(loaded)}
-    for items in work.values():  # one group dequantized at a time, for every rank
-        full_by_name = full_tensors(model, spec, items[0][3])
+    for (_, expert), items in work.items():  # one group (or expert) dequantized at a time, for every rank
+        full_by_name = expected_tensors(model, spec, items[0][3], expert)
         for rank, name, got, param in items:
             if got.dtype == torch.uint8:
                 problem = diagnose_raw(model, spec, got, param, rank, tp, n_kv)
@@ -106,7 +149,7 @@ def check_loaded_weights(model: "GGUFModel", spec: ArchSpec, table: TensorTable,
                             unlisted_layers[rank].append(param.group.layer)
                 continue
             full = full_by_name[name] if name in full_by_name else next(iter(full_by_name.values()))
-            want = shard(full, param.rule, rank, tp, n_kv)
+            want = expected_slice(full, param, rank, tp, n_kv, layout)
             problem = diagnose_slice(got, want, full, param, rank, tp, n_kv, spec)
             if problem is None:
                 n_ok[rank] += 1
@@ -123,7 +166,7 @@ def check_loaded_weights(model: "GGUFModel", spec: ArchSpec, table: TensorTable,
                                       worst={"rank": rank}))
     for name in sorted(blocked):
         for rank in sorted(loaded):
-            problem = _audit_blocks(model, spec, params[name], loaded[rank], rank, tp, n_kv)
+            problem = _audit_blocks(model, spec, params[name], loaded[rank], rank, tp, n_kv, experts)
             if problem is None:
                 n_ok[rank] += 1
                 continue
@@ -151,10 +194,46 @@ def check_loaded_weights(model: "GGUFModel", spec: ArchSpec, table: TensorTable,
 EXPERT_BLOCK_BYTES = 512 << 20  # float32 bytes of one block of a stacked expert parameter in the audit
 
 
-def _expert_blocked(model: "GGUFModel", params, loaded, tp: int) -> set[str]:
+def expert_blocks(experts, step: int):
+    """(e0, e1) ranges covering ``experts`` (sorted indices): runs of consecutive experts, each
+    at most ``step`` long."""
+    run: list[int] = []
+    for e in sorted(experts):
+        if run and (e != run[-1] + 1 or len(run) == step):
+            yield run[0], run[-1] + 1
+            run = []
+        run.append(e)
+    if run:
+        yield run[0], run[-1] + 1
+
+
+def expected_slice(full: Tensor, param: HFParam, rank: int, tp: int, n_kv: int, layout: str) -> Tensor:
+    """Rank ``rank``'s piece of ``full`` as the engine's layout holds it: vLLM's loaders
+    (:func:`~ggufcheck.sharding.rules.shard`, the vocabulary padded to a multiple of 64 with
+    zero rows); transformers holds its one rank unpadded (a vocabulary of 900 is 900 rows)."""
+    if layout == "transformers" and tp == 1:
+        return full
+    return shard(full, param.rule, rank, tp, n_kv)
+
+
+def expected_tensors(model: "GGUFModel", spec: ArchSpec, param: HFParam, expert: int | None) -> dict[str, Tensor]:
+    """What the file says ``param``'s group holds; for a per-expert parameter of a stacked GGUF
+    tensor (``expert`` given), only that expert's rows are read and dequantized."""
+    if expert is None:
+        return full_tensors(model, spec, param)
+    from ggufcheck.gguf.dequant import dequantize_tensor
+
+    (role, entry), = param.group.inputs.items()
+    info = model.tensors[entry.name]
+    rows = dequantize_tensor(model, info.name, rows=slice(expert * info.shape[1], (expert + 1) * info.shape[1]))
+    return {param.name: rows.reshape(info.shape[1], info.shape[2])}
+
+
+def _expert_blocked(model: "GGUFModel", params, loaded, tp: int, every_size: bool = False) -> set[str]:
     """The stacked expert parameters audited a block of experts at a time: [E, ...] built
     from stacked GGUF tensors by a transform that keeps the expert axis first, not split by TP
-    on that axis, larger than one block, held by an engine that hands over expert blocks."""
+    on that axis, larger than one block (``every_size``: any size, as ``--experts`` reads only
+    the chosen experts' blocks), held by an engine that hands over expert blocks."""
     from ggufcheck.arch.rebuild import EXPERT_AXIS_FIRST
 
     if not all(hasattr(per_rank, "block") for per_rank in loaded.values()):
@@ -168,16 +247,16 @@ def _expert_blocked(model: "GGUFModel", params, loaded, tp: int) -> set[str]:
         infos = [model.tensors.get(e.name) for e in param.group.inputs.values()]
         if any(i is None or len(i.shape) != 3 or "_exps." not in i.name for i in infos):
             continue
-        if sum(i.n_elements for i in infos) * 4 > EXPERT_BLOCK_BYTES:
+        if every_size or sum(i.n_elements for i in infos) * 4 > EXPERT_BLOCK_BYTES:
             out.add(name)
     return out
 
 
 def _audit_blocks(model: "GGUFModel", spec: ArchSpec, param: HFParam, per_rank, rank: int, tp: int,
-                  n_kv: int) -> tuple[str, str, dict] | None:
+                  n_kv: int, experts: tuple[int, ...] | None = None) -> tuple[str, str, dict] | None:
     """One stacked expert parameter of one rank, compared a block of experts at a time (the
-    expected block rebuilt from the GGUF tensors' rows of those experts); the first block that
-    differs is diagnosed, its experts named."""
+    expected block rebuilt from the GGUF tensors' rows of those experts; ``experts``: only
+    these); the first block that differs is diagnosed, its experts named."""
     from ggufcheck.arch.rebuild import TRANSFORMS
     from ggufcheck.gguf.dequant import dequantize_tensor
     from ggufcheck.engines.base import Unsupported
@@ -186,8 +265,7 @@ def _audit_blocks(model: "GGUFModel", spec: ArchSpec, param: HFParam, per_rank, 
     n_expert = next(iter(infos.values())).shape[0]
     per_expert = sum(i.n_elements // n_expert for i in infos.values()) * 4
     step = max(1, EXPERT_BLOCK_BYTES // per_expert)
-    for e0 in range(0, n_expert, step):
-        e1 = min(e0 + step, n_expert)
+    for e0, e1 in expert_blocks(experts if experts is not None else range(n_expert), step):
         values = {role: dequantize_tensor(model, i.name, rows=slice(e0 * i.shape[1], e1 * i.shape[1]))
                   .reshape(e1 - e0, i.shape[1], i.shape[2]) for role, i in infos.items()}
         full = TRANSFORMS[param.group.transform].to_hf(values, spec, param.group.hf_name)[param.name]
@@ -203,14 +281,16 @@ def _audit_blocks(model: "GGUFModel", spec: ArchSpec, param: HFParam, per_rank, 
 
 
 def check_engine_weights(model: "GGUFModel", spec: ArchSpec, table: TensorTable, engine,
-                         names: list[str] | None = None) -> list[Result]:
+                         names: list[str] | None = None, experts: tuple[int, ...] | None = None,
+                         not_chosen: set[str] = frozenset()) -> list[Result]:
     """THE weights audit through the Engine interface (``engine.weight(hf_name, rank=r)``).
 
     Asks in the layout the engine declares (``Capabilities.weight_layout``), for every HF
     parameter the file provides (or ``names``), one rank and one parameter at a time. A
     parameter the engine does not expose is counted in one SKIP; parameters the engine holds
     (``held_weight_names``) that no expected name covers are listed in another, so nothing an
-    engine holds is skipped silently.
+    engine holds is skipped silently (``not_chosen``: parameters left out on request, by
+    ``--layers`` or ``--experts``, which the report counts as not checked).
     """
     caps = engine.capabilities
     if not caps.weights:
@@ -219,13 +299,13 @@ def check_engine_weights(model: "GGUFModel", spec: ArchSpec, table: TensorTable,
     layout = caps.weight_layout
     wanted = names if names is not None else sorted(hf_params(spec, table, model.tensors, layout))
     loaded = {rank: LazyRankWeights(engine, wanted, rank) for rank in range(tp)}
-    results = check_loaded_weights(model, spec, table, loaded, tp, layout)
+    results = check_loaded_weights(model, spec, table, loaded, tp, layout, experts)
     missing = [f"{name}@{rank}" for rank, per_rank in loaded.items() for name in per_rank.missing]
     if missing:
         results.append(skipped("weights.loaded.exposed", "weights",
                                f"the engine did not expose {len(missing)} parameter(s), e.g. {missing[0]}",
                                stats={"missing": missing[:50]}))
-    unaudited = _unaudited(engine, set(wanted), tp, spec)
+    unaudited = _unaudited(engine, set(wanted) | set(not_chosen), tp, spec)
     if unaudited:
         results.append(skipped("weights.loaded.unaudited", "weights",
                                f"the engine holds {len(unaudited)} parameter(s) the audit could not compare with "

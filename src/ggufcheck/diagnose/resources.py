@@ -295,7 +295,14 @@ def plan_resources(options: Any, gguf: Any, cfg: Any, host: Host, rates: Rates,
     engine_bytes = 0
     if engine_kind in ("hf", "hf-gguf") and options.engine and "@cuda" not in options.engine:
         engine_bytes = m.n_weights * (2 if "bf16" in options.engine else 4)  # transformers holds the model here
-    stages.append(StageEstimate("weights", engine_bytes + int(0.5 * GIB), read_all, "every tensor the engine holds"))
+    experts = getattr(options, "experts", None)
+    if experts is not None and m.n_expert:  # --experts: the other experts' rows are not read
+        left_out = sum(m.per_expert) * (m.n_expert - len(experts))
+        stages.append(StageEstimate("weights", engine_bytes + int(0.5 * GIB), (m.n_weights - left_out) * rates.dequant_s,
+                                    f"every tensor the engine holds, of the routed experts {len(experts)} of "
+                                    f"{m.n_expert}"))
+    else:
+        stages.append(StageEstimate("weights", engine_bytes + int(0.5 * GIB), read_all, "every tensor the engine holds"))
     chosen = getattr(options, "layers", None)
     if chosen is not None:  # --layers: those layers replayed, nothing else read; no served stage
         share = len(chosen) / m.n_layer

@@ -45,6 +45,7 @@ class DiagnoseOptions:
     max_memory: int | None = None  # bytes ggufcheck may hold (None: 80% of the memory available; resources.py)
     reference_device: str = "auto"  # where the reference runs: auto (a GPU with room, else cpu), cpu, cuda[:N]
     layers: tuple[int, ...] | None = None  # --layers: check only these layers (their weights alone are read)
+    experts: tuple[int, ...] | None = None  # --experts: audit only these routed experts of each MoE layer
 
     def tensor_chosen(self, name: str) -> bool:
         """Whether ``--layers`` keeps tensor ``name`` (every non-layer tensor is kept)."""
