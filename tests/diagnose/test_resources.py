@@ -102,3 +102,24 @@ def test_the_estimate_bounds_the_measured_peak_of_a_glm5_dims_pass(tmp_path):
         facts = model_facts(g, config_from_gguf(g.metadata, g.tensors, str(m.path)))
     estimate = BASE_BYTES + pass_peak(facts, 64)
     assert measured <= estimate < 4 * measured, (measured / 2**30, estimate / 2**30)
+
+
+def test_one_tp_size_per_run(tiny_glm, capsys):
+    """The engine's TP drives the sharding stage; a --tp that disagrees is refused, naming
+    both (before, ``--tp 4 --engine vllm:tp=2`` checked a split that was not deployed, and
+    ``--engine vllm:tp=2`` alone skipped sharding: "no --tp given")."""
+    from types import SimpleNamespace
+
+    from ggufcheck.diagnose.plan import one_tp_size
+
+    assert one_tp_size(DiagnoseOptions(model=tiny_glm, engine="vllm:tp=2")).tp == 2
+    assert one_tp_size(DiagnoseOptions(model=tiny_glm, engine="vllm:tp=2", tp=2)).tp == 2
+    assert one_tp_size(DiagnoseOptions(model=tiny_glm, engine="vllm")).tp is None  # TP 1: nothing to split
+    assert one_tp_size(DiagnoseOptions(model=tiny_glm, engine="llama-cpp", tp=3)).tp == 3  # the file's split alone
+    opened = SimpleNamespace(capabilities=SimpleNamespace(tp_size=4), name="an engine at TP 4")
+    assert one_tp_size(DiagnoseOptions(model=tiny_glm), opened).tp == 4
+    with pytest.raises(UsageError, match="--tp 2 disagrees with the engine's tensor-parallel size 4"):
+        one_tp_size(DiagnoseOptions(model=tiny_glm, tp=2), opened)
+    assert main(["diagnose", str(tiny_glm), "--engine", "vllm:tp=2", "--tp", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "--tp 4 disagrees" in err and "size 2" in err and "vllm:tp=2" in err

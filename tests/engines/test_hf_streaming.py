@@ -87,3 +87,23 @@ def test_the_audit_reads_stacked_experts_in_blocks_and_names_the_wrong_ones(tiny
     bad = [r for r in results if r.failed]
     assert len(bad) == 1 and bad[0].tensor == name and "experts 4..5" in bad[0].message, [r.message for r in bad]
     assert calls and all(s.stop - s.start < 8 for s in calls)  # never the whole stack of 8
+
+
+def test_a_vocabulary_that_is_not_a_multiple_of_64_is_audited_unpadded(tiny_gguf):
+    """Regression (a false alarm found by benchmarks/audit_experts.py, 2026-12): transformers
+    holds lm_head / embed_tokens with the file's 900 rows; the audit expected vLLM's padded
+    960 ("shape (900, 6144) != expected slice (960, 6144)")."""
+    from ggufcheck.arch.tables import table_for as table_of
+    from ggufcheck.checks import weights as audit
+
+    path = tiny_gguf("llama", qtypes="Q8_0", n_vocab=900).path
+    engine = HFEngine.from_gguf(path, dtype="fp32")
+    with open_gguf(path) as model:
+        spec, _ = spec_for_model(model)
+        assert spec.n_vocab == 900
+        results = audit.check_engine_weights(model, spec, table_of(spec), engine)
+        assert not [r for r in results if r.failed], [r.message for r in results if r.failed]
+        with torch.no_grad():
+            engine.module.lm_head.weight[899] += 1  # the last real row wrong: still found
+        results = audit.check_engine_weights(model, spec, table_of(spec), engine)
+    assert [r.tensor for r in results if r.failed] == ["lm_head.weight"]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from ggufcheck.diagnose.session import DiagnoseOptions, Progress, Session
@@ -91,6 +91,7 @@ def diagnose(options: DiagnoseOptions, progress: Progress | None = None, engine:
         raise UsageError("diagnose needs --engine SPEC: without an engine nothing about a deployment is checked",
                          tip="`ggufcheck inspect MODEL` checks the file alone, `ggufcheck shard MODEL --tp N` its "
                              "tensor-parallel split, `ggufcheck env --python PATH` an interpreter")
+    options = one_tp_size(options, engine)
     session = Session(options, say, engine)
     stages: list[StageReport] = []
     timings: dict[str, float] = {}
@@ -132,6 +133,38 @@ def diagnose(options: DiagnoseOptions, progress: Progress | None = None, engine:
                      session.resources)
 
 
+def engine_tp(options: DiagnoseOptions, engine: Any | None = None) -> int | None:
+    """The tensor-parallel size the engine under test runs at: ``vllm[:tp=N]`` (1 by default)
+    or an opened engine's ``capabilities.tp_size`` above 1; None for an engine without one."""
+    if engine is not None:
+        tp = int(getattr(getattr(engine, "capabilities", None), "tp_size", 1) or 1)
+        return tp if tp > 1 else None
+    spec = options.engine or ""
+    head, _, rest = spec.partition(":")
+    if head != "vllm":
+        return None
+    from ggufcheck.engines.vllm import parse_options
+
+    return int(parse_options(rest, spec).tp)
+
+
+def one_tp_size(options: DiagnoseOptions, engine: Any | None = None) -> DiagnoseOptions:
+    """One TP size for a run: the engine's, when it has one. ``--tp`` alone checks a split of
+    the file (an engine on one rank); with an engine that runs at TP N, the sharding stage
+    checks that split (``--tp`` may be left out), and a ``--tp`` that disagrees is a usage
+    error naming both: checking a split that is not deployed would pass silently."""
+    tp = engine_tp(options, engine)
+    if tp is None:
+        return options
+    if options.tp is None:
+        return replace(options, tp=tp) if tp > 1 else options
+    if options.tp != tp:
+        raise UsageError(f"--tp {options.tp} disagrees with the engine's tensor-parallel size {tp} "
+                         f"(--engine {options.engine or getattr(engine, 'name', 'given')}): one run checks one "
+                         "deployment", tip=f"leave --tp out (the engine's {tp} is checked) or give --tp {tp}")
+    return options
+
+
 def plan_for(session: Session, engine: Any | None = None):
     """The resource plan of this diagnosis (None for an architecture the reference lacks),
     applied: the weight cache's budget set from it. A stage that cannot fit ends the run here
@@ -148,6 +181,10 @@ def plan_for(session: Session, engine: Any | None = None):
     o = session.options
     if o.layers is not None and max(o.layers) >= cfg.n_layer:
         raise UsageError(f"--layers {max(o.layers)}: {o.model.name} has layers 0..{cfg.n_layer - 1}")
+    if o.experts is not None and not cfg.n_expert:
+        raise UsageError(f"--experts: {o.model.name} is a dense model (its metadata names no routed experts)")
+    if o.experts is not None and max(o.experts) >= cfg.n_expert:
+        raise UsageError(f"--experts {max(o.experts)}: {o.model.name} has experts 0..{cfg.n_expert - 1} per MoE layer")
     host = probe_host(with_gpus=o.reference_device != "cpu")
     device = o.reference_device if o.reference_device not in ("auto", "cpu") else "cpu"
     kind = "" if engine is not None else (o.engine or "").split(":")[0].split("@")[0]
