@@ -1,6 +1,7 @@
 """Numeric TP invariance on real tiny models: sharded over N gloo ranks == the reference.
 
-One process group per (model, TP) run, every layer kind inside it. TP 1, 2, 4 on the
+One process group per layer kind (its weights read, run, judged and released before the next
+kind is read), then one for the collectives. TP 1, 2, 4 on the
 llama.cpp-converted models (4 heads); TP 8 on our own 8-head Q8_0 models (the converted
 ones cannot run attention 8 ways: that is a plan FAIL, tested in test_plan.py, and here the
 attention kind is SKIPped with the reason while the other kinds run).
@@ -118,3 +119,39 @@ def test_moe_too_big_to_load_runs_on_the_routed_experts_only(tiny_converted, bud
     experts = job.weights["ffn_down_exps.weight"]
     assert isinstance(experts, ExpertSubset) and len(experts.experts) < experts.shape[0]
     assert sum(t.numel() for t in job.weights.values()) <= budget
+
+
+def test_one_layer_kind_is_held_at_a_time(tiny8, monkeypatch):
+    """The main process reads a kind's weights only after the previous kind's are released
+    (before, every kind's fp64 weights were held at once while the ranks ran: 12 GiB for a
+    1.3 GB file)."""
+    import gc
+    import weakref
+
+    from ggufcheck.sharding import invariance
+
+    alive: list[weakref.ref] = []
+    held_at_read: list[int] = []
+    original = invariance.gguf_layer_weights
+
+    def tracking(model, *a, **k):
+        inner = original(model, *a, **k)
+
+        class Tracked:
+            def __getattr__(self, name):
+                return getattr(inner, name)
+
+            def __call__(self, layer, prefixes):
+                gc.collect()
+                held_at_read.append(sum(r() is not None for r in alive))
+                out = inner(layer, prefixes)
+                alive.extend(weakref.ref(t) for t in out.values())
+                return out
+
+        return Tracked()
+
+    monkeypatch.setattr(invariance, "gguf_layer_weights", tracking)
+    ran = _tp_results(_run(tiny8("deepseek2"), 2))
+    for kind in KINDS["deepseek2"]:
+        assert ran[kind].status is Status.PASS, (kind, ran[kind].message)
+    assert len(held_at_read) >= 5 and held_at_read == [0] * len(held_at_read), held_at_read

@@ -18,7 +18,7 @@ as sets per query.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor
@@ -59,14 +59,19 @@ class InvarianceOptions:
 
 
 def make_jobs(cfg: ReferenceConfig, layer_weights: Any, opts: InvarianceOptions) -> list[LayerJob]:
-    """One job per layer kind the model has. ``layer_weights(layer | None, prefixes)`` returns
-    fp64 full tensors by short name (layer None: the global tensors)."""
+    """Every job of :func:`iter_jobs` at once (small models and tests)."""
+    return list(iter_jobs(cfg, layer_weights, opts))
+
+
+def iter_jobs(cfg: ReferenceConfig, layer_weights: Any, opts: InvarianceOptions) -> Iterator[LayerJob]:
+    """One job per layer kind the model has, each read when the previous one is done with
+    (a run holds one kind's weights at a time). ``layer_weights(layer | None, prefixes)``
+    returns fp64 full tensors by short name (layer None: the global tensors)."""
     gen = torch.Generator().manual_seed(opts.seed)
     n_tok = max(opts.tokens, cfg.indexer_top_k + 4 if cfg.has_indexer else 0)
     pos = torch.arange(START_POS, START_POS + n_tok)
     x = torch.randn(n_tok, cfg.n_embd, generator=gen, dtype=torch.float64)
     wanted = opts.kinds
-    jobs: list[LayerJob] = []
 
     def want(kind: str) -> bool:
         return wanted is None or kind in wanted
@@ -83,13 +88,15 @@ def make_jobs(cfg: ReferenceConfig, layer_weights: Any, opts: InvarianceOptions)
               "attn_v_b", "attn_kv_b", "attn_output")
     kind = "mla" if cfg.is_mla else "attention"
     if want(kind) and (w := weights(kind, 0, attn_names)) is not None:
-        jobs.append(LayerJob(kind, 0, w, {"x": x, "pos": pos}, tensor="blk.0.attn_output.weight"))
+        yield LayerJob(kind, 0, w, {"x": x, "pos": pos}, tensor="blk.0.attn_output.weight")
+        w = None  # released before the next kind is read
     dense_layer = 0 if (not cfg.n_expert or cfg.n_dense_lead > 0) else None
     if want("dense_ffn") and dense_layer is not None:
         w = weights("dense_ffn", dense_layer, ("ffn_gate.", "ffn_up.", "ffn_down."))
         if w:
-            jobs.append(LayerJob("dense_ffn", dense_layer, w, {"x": x, "pos": pos},
-                                 tensor=f"blk.{dense_layer}.ffn_down.weight"))
+            yield LayerJob("dense_ffn", dense_layer, w, {"x": x, "pos": pos},
+                           tensor=f"blk.{dense_layer}.ffn_down.weight")
+            w = None  # released before the next kind is read
     if want("moe") and cfg.n_expert and cfg.n_dense_lead < cfg.n_layer:
         moe_layer = cfg.n_dense_lead
         try:
@@ -107,23 +114,26 @@ def make_jobs(cfg: ReferenceConfig, layer_weights: Any, opts: InvarianceOptions)
         else:
             x_moe = x
         if w is not None:
-            jobs.append(LayerJob("moe", moe_layer, w, {"x": x_moe, "pos": pos[: x_moe.shape[0]]},
-                                 tensor=f"blk.{moe_layer}.ffn_down_exps.weight"))
+            yield LayerJob("moe", moe_layer, w, {"x": x_moe, "pos": pos[: x_moe.shape[0]]},
+                           tensor=f"blk.{moe_layer}.ffn_down_exps.weight")
+            w = None  # released before the next kind is read
     if want("indexer") and cfg.has_indexer:
         w = weights("indexer", 0, ("indexer.", "attn_q_a", "rope_freqs"))
         if w is not None and "indexer.attn_k.weight" in w:
             qr = rms_norm(linear(x, w.pop("attn_q_a.weight")), w.pop("attn_q_a_norm.weight"), cfg.lora_norm_eps)
-            jobs.append(LayerJob("indexer", 0, w, {"x": x, "qr": qr, "pos": pos}, tensor="blk.0.indexer.attn_k.weight"))
+            yield LayerJob("indexer", 0, w, {"x": x, "qr": qr, "pos": pos}, tensor="blk.0.indexer.attn_k.weight")
+            w = None  # released before the next kind is read
     if want("embedding") and (w := weights("embedding", None, ("token_embd",))) is not None:
         ids = _vocab_probe_ids(w["token_embd.weight"].shape[0], opts.tp, gen)
-        jobs.append(LayerJob("embedding", None, w, {"ids": ids, "pos": pos}, tensor="token_embd.weight"))
+        yield LayerJob("embedding", None, w, {"ids": ids, "pos": pos}, tensor="token_embd.weight")
+        w = None  # released before the next kind is read
     if want("lm_head") and (w := weights("lm_head", None, ("output.",))) is not None:
         if not w:  # tied embeddings: the lm_head is token_embd
             w = weights("lm_head", None, ("token_embd",))
         if w is not None:
             (name,) = w
-            jobs.append(LayerJob("lm_head", None, w, {"x": x, "pos": pos}, tensor=name))
-    return jobs
+            yield LayerJob("lm_head", None, w, {"x": x, "pos": pos}, tensor=name)
+            w = None  # released before the next kind is read
 
 
 def _routed_expert_weights(cfg: ReferenceConfig, layer_weights: Any, layer: int, x: Tensor,

@@ -109,8 +109,7 @@ def run_sharding_stage(model: GGUFModel, opts: ShardOptions, **invariance_overri
     """
     from ggufcheck.reference.config import config_from_gguf
     from ggufcheck.sharding.dist import resolve_backend
-    from ggufcheck.checks.sharding.invariance import judge_invariance
-    from ggufcheck.sharding.invariance import InvarianceOptions, gguf_layer_weights, make_jobs, run_invariance
+    from ggufcheck.sharding.invariance import InvarianceOptions, gguf_layer_weights, iter_jobs
 
     report = StageReport(STAGE, info={"tp": opts.tp, "model": str(model.path)})
     spec, rules, problems = _spec_and_rules(model)
@@ -136,9 +135,38 @@ def run_sharding_stage(model: GGUFModel, opts: ShardOptions, **invariance_overri
     iopts = InvarianceOptions(tp=opts.tp, backend=backend, timeout_s=opts.timeout_s, tokens=opts.tokens,
                               seed=opts.seed, kinds=opts.kinds, **invariance_overrides)
     with torch.no_grad():
-        jobs = make_jobs(cfg, gguf_layer_weights(model, max_elements=iopts.max_layer_elements), iopts)
-        report.add(judge_invariance(cfg, rules, run_invariance(cfg, rules, jobs, iopts)))
+        report.add(_one_kind_at_a_time(cfg, rules, iter_jobs(cfg, gguf_layer_weights(
+            model, max_elements=iopts.max_layer_elements), iopts), iopts))
     return report
+
+
+def _one_kind_at_a_time(cfg, rules, jobs, iopts) -> list:
+    """Each layer kind read, run on its ranks, judged and released before the next is read
+    (the ranks are started per kind: a run holds one kind's fp64 weights, not every kind's),
+    then the collectives; what was not run first, as in one run."""
+    from dataclasses import replace
+
+    from ggufcheck.checks.sharding.invariance import judge_invariance
+    from ggufcheck.sharding.invariance import run_invariance
+
+    results = []
+    for job in jobs:
+        run = run_invariance(cfg, rules, [job], replace(iopts, collectives=False, not_run=[]))
+        results += judge_invariance(cfg, rules, run)
+        if run.failure is not None:
+            break  # the ranks could not run at all: the next kind would fail the same way
+        del run, job
+    else:
+        if iopts.collectives:
+            results += judge_invariance(cfg, rules, run_invariance(cfg, rules, [], replace(iopts, not_run=[])))
+    not_run = judge_invariance(cfg, rules, _nothing_ran(iopts))
+    return not_run + results
+
+
+def _nothing_ran(iopts):
+    from ggufcheck.sharding.invariance import InvarianceRun
+
+    return InvarianceRun(iopts.tp, iopts.backend, [(None, kind, layer, why) for kind, layer, why in iopts.not_run])
 
 
 def plan_known(name: str, tp: int, mix: str = "q4_k_m", gpu_memory_gib: float | None = None) -> StageReport:
