@@ -127,3 +127,69 @@ def test_paths_leave_out_rows_after_a_tie_only_when_the_paths_differ():
     before = _pair_verdict("p", "decode", "w", [(_table(logits, tokens, tied), _table(early, tokens))], base, tol)
     assert before.status == Status.FAIL
     assert _pair_verdict("p", "decode", "w", [(_table(logits, tokens), _table(later, tokens))], base, tol).failed
+
+
+def test_transformers_bf16_on_a_tiny_dsa_model_is_healthy(tiny_gguf):
+    """Regression (a false alarm, 2026-12): a 4-layer glm-dsa model through transformers' own
+    glm_moe_dsa in bf16 was called ``prefill`` ("32, 33 disagree, 9, 17, 65... agree: no
+    single length threshold"): near-ties left 8 of 513 rows to judge, and one row within
+    the per-row limit (KL 0.06 < 0.091) lifted their mean over the mean's limit (0.0098 >
+    0.0091). The same engine passes every other check, and the longer lengths, over the same
+    rows, passed."""
+    pytest.importorskip("transformers")
+    from ggufcheck.diagnose.plan import DiagnoseOptions, diagnose
+
+    path = tiny_gguf("glm-dsa", qtypes="Q8_0", n_layer=4).path
+    d = diagnose(DiagnoseOptions(model=path, engine="hf:bf16", sanity=False))
+    sweep = next(r for s in d.stages for r in s.results if r.check == "logits.prefill_lengths")
+    assert sweep.status is Status.PASS, sweep.message
+    assert d.verdict.healthy, d.verdict.message
+
+
+def test_one_row_may_lift_the_mean_of_a_few_but_not_a_run_of_rows(engines):
+    """The judging rule itself, on a healthy fp32 engine's sweep with rows made worse: one row
+    (within the per-row limit) over a short length passes; the same rows all a little worse
+    (the mean over the limit without any single row responsible) fail."""
+    from ggufcheck.checks.lengths import Landmark, check_prefill_lengths
+    from ggufcheck.checks.logits import Baseline
+
+    fp32, fp64 = engines("llama")
+    seq = _prompts(7, (40,))[0]
+    ref = fp64.score(seq)
+    tol = LogitTolerance(multiple=3.0, kl_floor=1e-4, kl_p99_floor=1e-3)
+    base = Baseline(source="test", kl_mean=1e-5, kl_p99=1e-2, argmax_agreement=1.0, nmse_mean=0.0, delta_p_rms=0.0)
+    marks = [Landmark(16, "a test landmark", "kv-cache")]
+    limit = tol.multiple * base.kl_mean + tol.kl_floor
+    max_limit = tol.multiple * base.kl_p99 + tol.kl_p99_floor
+
+    def with_kl(rows_kl):
+        """The reference's table with each row's distribution moved to KL rows_kl[i] from it."""
+        lp = ref.logprobs.copy()
+        for i, target in enumerate(rows_kl):
+            if target:  # mix toward uniform until KL(ref || mixed) reaches the target
+                p = np.exp(lp[i])
+                lo, hi = 0.0, 1.0
+                for _ in range(60):
+                    a = (lo + hi) / 2
+                    q = (1 - a) * p + a / p.size
+                    kl = float(np.sum(p * (np.log(p) - np.log(q))))
+                    lo, hi = (a, hi) if kl < target else (lo, a)
+                lp[i] = np.log((1 - a) * p + a / p.size)
+        return TokenLogprobs(ref.tokens, ref.vocab_size, lp)
+
+    class Fixed:
+        def __init__(self, table):
+            self.table = table
+
+        def score(self, tokens, top_k=20):
+            n = len(tokens)
+            return TokenLogprobs(self.table.tokens[:n], self.table.vocab_size, self.table.logprobs[:n])
+
+    one = [0.0] * 40
+    one[5] = 0.6 * max_limit  # one row within the per-row limit, mean of 17 rows over the limit
+    assert one[5] / 17 > limit
+    r = check_prefill_lengths(Fixed(with_kl(one)), seq, ref, base, tol, marks)
+    assert r.status is Status.PASS, r.message
+    spread = [2 * limit] * 40  # every row a little off: no single row to blame
+    r = check_prefill_lengths(Fixed(with_kl(spread)), seq, ref, base, tol, marks)
+    assert r.status is Status.FAIL, r.message

@@ -17,7 +17,9 @@ the path: a length-triggered fault) or only from some position on (a position-tr
 A length fails when its mean KL is over the logits stage's limit (``multiple * baseline +
 floor`` of the engine's class, widened by the emulated baseline at that length), or when its
 rows go wrong from some position on (at least half of the rows from there over the per-row
-limit); an isolated row over it (a routing near-tie flip) is not a threshold.
+limit); an isolated row over it (a routing near-tie flip) is not a threshold, nor is one row
+within the per-row limit that lifts the mean of a few rows over the mean's limit while the
+others are within it.
 """
 
 from __future__ import annotations
@@ -147,11 +149,17 @@ def check_prefill_lengths(engine: Engine, sequence: Sequence[int], reference: To
         if longest_rows is None or n > int(longest_rows[0].max(initial=-1)):
             longest_rows = (m.position, kl)
         mean = float(np.mean(kl))
-        row = {"length": n, "mean_kl": mean, "p99_kl": float(np.percentile(kl, 99)), "max_kl": float(np.max(kl)),
+        row = {"length": n, "rows": int(m.n), "mean_kl": mean, "p99_kl": float(np.percentile(kl, 99)), "max_kl": float(np.max(kl)),
                "kl_limit": limit, "kl_p99_limit": max_limit, "onset": _onset(kl > max_limit, m.position)}
         # a length fails on its mean, or where its rows go wrong from some position on; not on a
-        # percentile, which over a short prefix is one row (a routing near-tie flip)
-        row["ok"] = bool(mean <= limit and row["onset"] is None)
+        # percentile, which over a short prefix is one row (a routing near-tie flip). Nor on one
+        # row within the per-row limit that lifts the mean of a few rows over the limit (a tiny
+        # DSA model leaves ~8 rows of 513 outside its near-ties): the others must be within it
+        worst = float(np.max(kl))
+        rest = (float(np.sum(kl)) - worst) / (kl.size - 1) if kl.size > 1 else worst
+        row["mean_kl_without_worst_row"] = rest
+        within = mean <= limit or (rest <= limit and worst <= max_limit)
+        row["ok"] = bool(within and row["onset"] is None)
         rows.append(row)
         return row
 
