@@ -55,9 +55,11 @@ def run(args: argparse.Namespace) -> int:
                                 n_ff_exp=64).path
         where = str(model) if args.keep else "a temporary file (--keep DIR keeps it)"
         console.print(f"built a tiny GLM-5-style model (MLA + DSA indexer + 8-expert MoE, Q8_0) in {where}")
-        console.print(f"the faulty engine rebuilds MLA's kv_b_proj as [all K; all V] and patches its split to match: "
-                      f"exact on one GPU, but at tensor-parallel size {TP} each rank computes attention with the "
-                      f"wrong rows (the real bug in the brief). The diagnosis must find that without being told.")
+        console.print(f"the faulty engine stores one attention weight (MLA's kv_b_proj, which holds every head's "
+                      f"key and value rows) as \\[all K; all V] instead of head by head, and patches the split to "
+                      f"match: exact on one GPU, but split over {TP} GPUs (tensor parallelism) each GPU computes "
+                      "attention with the wrong rows, a bug met in a real vLLM deployment. The diagnosis must find "
+                      "it without being told.")
         options = DiagnoseOptions(model=model, tp=TP, max_prompts=2, max_tokens=24, new_tokens=4, sanity=False,
                                   decode_to=0, sweep_to=0)
         runs = [
