@@ -53,3 +53,21 @@ def test_reference_out_without_safetensors_is_unavailable_before_the_work(tiny_g
     code = main(["reference", str(model), "--tokens", "1,2,3", "--out", str(tmp_path / "t")])
     err = capsys.readouterr().err
     assert code != ExitStatus.INTERNAL and "safetensors" in err and "pip install" in err
+
+
+def test_report_paths_are_checked_before_any_work(tiny_gguf, tmp_path, capsys, monkeypatch):
+    """``--json /nonexistent-dir/x.json`` used to fail after the whole run (99 s on SmolLM2),
+    hiding the verdict; now it is a usage error before the first stage."""
+    import ggufcheck.diagnose.plan as plan
+
+    ran = []
+    monkeypatch.setattr(plan, "diagnose", lambda *a, **k: ran.append(1))
+    path = tiny_gguf("llama", qtypes="Q8_0").path
+    for flag, target, words in (("--json", tmp_path / "missing" / "x.json", "does not exist"),
+                                ("--html", tmp_path / "missing" / "x.html", "does not exist"),
+                                ("--json", tmp_path, "is a directory")):
+        assert main(["diagnose", str(path), "--engine", "reference", flag, str(target)]) == ExitStatus.USAGE
+        err = capsys.readouterr().err
+        assert flag in err and words in err, err
+    assert main(["inspect", str(path), "--json", str(tmp_path / "missing" / "i.json")]) == ExitStatus.USAGE
+    assert not ran

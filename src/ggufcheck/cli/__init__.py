@@ -52,6 +52,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 
+def check_report_paths(args) -> None:
+    """Every report path (``--json``, ``--html``, ``--out``-like Path options named in
+    REPORT_OPTIONS) must be writable before any work starts: a run of minutes must not end in
+    "cannot write" with its verdict lost."""
+    from pathlib import Path
+
+    from ggufcheck.errors import UsageError
+
+    for option in REPORT_OPTIONS:
+        value = getattr(args, option, None)
+        if value is None:
+            continue
+        path = Path(value)
+        flag = "--" + option.replace("_", "-")
+        if path.is_dir():
+            raise UsageError(f"{flag} {path}: is a directory, not a file")
+        parent = path.parent if str(path.parent) else Path(".")
+        if not parent.is_dir():
+            raise UsageError(f"{flag} {path}: the directory {parent} does not exist",
+                             tip=f"mkdir -p {parent}, or name a file in an existing directory")
+        if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise UsageError(f"{flag} {path}: not writable")
+
+
+REPORT_OPTIONS = ("json", "html")
+
+
 def main(argv: list[str] | None = None) -> int:
     from ggufcheck.runtime import configure, keep_freed_memory
 
@@ -68,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(ExitStatus.USAGE)
     module = importlib.import_module(f"ggufcheck.cli.{args.command}")
     try:
+        check_report_paths(args)
         return int(module.run(args))
     except GGUFCheckError as err:
         print(f"ggufcheck {args.command}: error: {err.message}", file=sys.stderr)
