@@ -4,6 +4,8 @@ says where to start and exits 2."""
 
 from __future__ import annotations
 
+import pytest
+
 import re
 from pathlib import Path
 
@@ -71,3 +73,29 @@ def test_report_paths_are_checked_before_any_work(tiny_gguf, tmp_path, capsys, m
         assert flag in err and words in err, err
     assert main(["inspect", str(path), "--json", str(tmp_path / "missing" / "i.json")]) == ExitStatus.USAGE
     assert not ran
+
+
+@pytest.mark.parametrize("args,package", [(["--engine", "hf"], "transformers"),
+                                          (["--engine", "reference", "--reference", "hf-gguf"], "transformers"),
+                                          (["--engine", "llama-cpp"], "llama_cpp")])
+def test_a_missing_engine_or_reference_package_fails_at_once(tiny_gguf, monkeypatch, capsys, args, package):
+    """Without transformers, ``--reference hf-gguf`` ran 50 s and exited 5 ("not verified");
+    a missing llama-cpp-python read as "not verified" too. Now: exit 2 in seconds, naming the
+    package, with the line that installs it (when the adapter knows one)."""
+    import builtins
+    import time
+
+    real_import = builtins.__import__
+
+    def missing(name, *a, **k):
+        if name == package or name.startswith(package + "."):
+            raise ImportError(f"No module named '{package}'")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", missing)
+    path = tiny_gguf("llama", qtypes="Q8_0").path
+    started = time.perf_counter()
+    assert main(["diagnose", str(path), *args, "--no-sanity"]) == ExitStatus.USAGE
+    err = capsys.readouterr().err
+    assert time.perf_counter() - started < 5
+    assert "unavailable" in err and package.replace("_", "-").split("-")[0] in err.replace("_", "-"), err

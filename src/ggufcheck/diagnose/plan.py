@@ -100,11 +100,17 @@ def diagnose(options: DiagnoseOptions, progress: Progress | None = None, engine:
         session.resources = plan_for(session, engine)
         if on_plan is not None:
             on_plan(session.resources)
-        if engine is None:  # a bad spec (exit 2) or an unreachable engine (exit 3) is said in seconds,
-            try:            # before the long file stage
+        if engine is None:  # a bad spec or a missing package (exit 2) or an unreachable engine (exit 3)
+            try:            # is said in seconds, before the long file stage
                 session.engine()
-            except Unavailable:
-                pass  # the stages that need it record why (SKIP "unavailable: ...")
+            except Unavailable as err:  # nothing about the deployment could be checked: not a result
+                raise UsageError(f"--engine {options.engine}: unavailable: {err.message}", tip=err.tip) from None
+        spec = options.reference
+        if spec not in ("none", "reference") and spec.split(":")[0] != "reference":
+            try:  # another implementation as the reference (hf:fp32, hf-gguf, ...): its package first
+                session.reference()
+            except Unavailable as err:
+                raise UsageError(f"--reference {spec}: unavailable: {err.message}", tip=err.tip) from None
         for number, stage in enumerate(PLAN, 1):
             say(f"stage {number}/{len(PLAN)}: {stage.name}")
             reason = stage.when(session)
