@@ -99,3 +99,18 @@ def test_a_missing_engine_or_reference_package_fails_at_once(tiny_gguf, monkeypa
     err = capsys.readouterr().err
     assert time.perf_counter() - started < 5
     assert "unavailable" in err and package.replace("_", "-").split("-")[0] in err.replace("_", "-"), err
+
+
+def test_json_dash_writes_the_json_alone_to_stdout(tiny_gguf, capsys):
+    """``--json -`` (as pytest, ruff and pip-audit users expect) used to write a file named
+    ``-``; the human report goes to stderr then, so stdout parses as JSON."""
+    import json
+    import os
+
+    path = tiny_gguf("llama", qtypes="Q8_0").path
+    assert main(["inspect", str(path), "--json", "-"]) == ExitStatus.HEALTHY
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert doc["command"] == "inspect" and doc["stages"]
+    assert "inspect" in err.lower() or "file" in err.lower()
+    assert not os.path.exists("-")

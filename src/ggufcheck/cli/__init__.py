@@ -62,7 +62,7 @@ def check_report_paths(args) -> None:
 
     for option in REPORT_OPTIONS:
         value = getattr(args, option, None)
-        if value is None:
+        if value is None or (option == "json" and str(value) == "-"):
             continue
         path = Path(value)
         flag = "--" + option.replace("_", "-")
@@ -94,8 +94,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ggufcheck: no command given. {START_HERE}", file=sys.stderr)
         return int(ExitStatus.USAGE)
     module = importlib.import_module(f"ggufcheck.cli.{args.command}")
+    json_to_stdout = str(getattr(args, "json", None)) == "-"
+    real_stdout = sys.stdout
     try:
         check_report_paths(args)
+        if json_to_stdout:  # --json -: the JSON alone on stdout, everything else on stderr
+            from ggufcheck.report import json as report_json
+
+            report_json.STDOUT, sys.stdout = real_stdout, sys.stderr
         return int(module.run(args))
     except GGUFCheckError as err:
         print(f"ggufcheck {args.command}: error: {err.message}", file=sys.stderr)
@@ -112,3 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         print("tip: this is a ggufcheck bug; rerun with GGUFCHECK_DEBUG=1 for the traceback and report it",
               file=sys.stderr)
         return int(ExitStatus.INTERNAL)
+    finally:
+        if json_to_stdout:
+            from ggufcheck.report import json as report_json
+
+            sys.stdout, report_json.STDOUT = real_stdout, None

@@ -57,7 +57,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="low-precision run of the reference giving the expected error of a correct engine "
                         "(default auto: reference:fp32; 'none': stated allowances only)")
     p.add_argument("--prompts", type=Path, help="prompt file: one per line, or JSONL with \"text\"")
-    p.add_argument("--json", type=Path, help="write every result to this JSON file")
+    p.add_argument("--json", type=Path, help="write every result to this JSON file "
+                   "(\"-\": standard output, the rest on standard error)")
     p.add_argument("--html", type=Path, help="write a self-contained HTML report with the KL plots")
     p.add_argument("--max-prompts", type=int, help="use only the first N prompts")
     p.add_argument("--max-tokens", type=int, default=512, help="truncate each prompt to N tokens (default 512)")

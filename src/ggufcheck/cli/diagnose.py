@@ -25,7 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "execution paths; the verdict names the first component that fails, with evidence.",
     )
     p.add_argument("model", type=Path, help="the GGUF file the deployment serves")
-    p.add_argument("--engine", metavar="SPEC", help=f"the engine under test: {SPEC_HELP}")
+    p.add_argument("--engine", metavar="SPEC", help=f"the engine under test (required): {SPEC_HELP}")
     p.add_argument("--python", metavar="PATH", help="the engine's Python interpreter (runs the env/kernel probes)")
     p.add_argument("--device", type=int, metavar="N", help="GPU index for the probes")
     p.add_argument("--tp", type=int, metavar="N", help="tensor-parallel size to verify")
@@ -63,7 +63,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "80%% of what is available); a stage estimated to need more is refused before the run starts")
     p.add_argument("--reference-device", default="auto", metavar="DEV",
                    help="where the fp64 reference runs: auto (a GPU with room, else the CPU), cpu, cuda or cuda:N")
-    p.add_argument("--json", type=Path, help="write every stage, check and the verdict to this JSON file")
+    p.add_argument("--json", type=Path, help="write every stage, check and the verdict to this JSON file "
+                   "(\"-\": standard output, the rest on standard error)")
     p.add_argument("--html", type=Path, help="write a self-contained HTML report with plots")
     p.add_argument("-v", "--verbose", action="store_true", help="list every check of every stage")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress line while running")

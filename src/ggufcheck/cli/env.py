@@ -43,7 +43,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "the GPU, each engine package's version and import path, and whether their compiled "
         "extensions carry machine code (SASS) for this GPU, only PTX, or neither.")
     add_target_arguments(p)
-    p.add_argument("--json", type=Path, help="write every result to this JSON file")
+    p.add_argument("--json", type=Path, help="write every result to this JSON file "
+                   "(\"-\": standard output, the rest on standard error)")
     p.add_argument("--no-scan", dest="scan", action="store_false",
                    help="skip reading the fatbinaries of compiled extensions")
     p.add_argument("--cuobjdump-budget", type=float, default=120.0, metavar="S",

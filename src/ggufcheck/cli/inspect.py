@@ -36,7 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("model", nargs="?", type=Path, help="path to a .gguf file (any part of a split model)")
     p.add_argument("--tp", type=int, help="also check tensor-parallel shard rules for this TP size")
-    p.add_argument("--json", type=Path, help="write every result to this JSON file")
+    p.add_argument("--json", type=Path, help="write every result to this JSON file "
+                   "(\"-\": standard output, the rest on standard error)")
     p.add_argument("--no-health", dest="health", action="store_false",
                    help="skip dequantizing every tensor (integrity and mapping only)")
     p.add_argument("-v", "--verbose", action="store_true", help="list passing checks too")

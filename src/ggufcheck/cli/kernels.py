@@ -48,7 +48,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "first) -> agrees with fp64. Without a GPU the CPU versions run and GPU-only cases SKIP.")
     add_target_arguments(p)
     p.add_argument("--model", type=Path, help="use this GGUF's shapes, weight rows and quant types")
-    p.add_argument("--json", type=Path, help="write every result to this JSON file")
+    p.add_argument("--json", type=Path, help="write every result to this JSON file "
+                   "(\"-\": standard output, the rest on standard error)")
     p.add_argument("--only", action="append", choices=KINDS, metavar="KIND",
                    help=f"run only these kinds (repeatable): {', '.join(KINDS)}")
     p.add_argument("--case-timeout", type=float, default=180.0, metavar="S",

@@ -40,7 +40,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the tiny models' random weights")
     p.add_argument("--max-tokens", type=int, default=96, help="longest prefill batch (default 96)")
     p.add_argument("--keep", type=Path, help="write the tiny models to this folder and keep them")
-    p.add_argument("--json", type=Path, help="write every row and check to this JSON file")
+    p.add_argument("--json", type=Path, help="write every row and check to this JSON file "
+                   "(\"-\": standard output, the rest on standard error)")
     p.add_argument("-v", "--verbose", action="store_true", help="print each type's checks too")
 
 

@@ -38,7 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--known", choices=("glm-5", "glm-5.2", "deepseek-v3"),
                    help="plan a known model's real dimensions without its file")
     p.add_argument("--mix", default="q4_k_m", help="quant mix assumed with --known: q4_k_m, q8_0, bf16")
-    p.add_argument("--json", type=Path, help="write every result to this JSON file")
+    p.add_argument("--json", type=Path, help="write every result to this JSON file "
+                   "(\"-\": standard output, the rest on standard error)")
     p.add_argument("-v", "--verbose", action="store_true", help="list passing checks too")
 
 

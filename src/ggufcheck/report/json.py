@@ -28,8 +28,19 @@ def report_json(command: str, stages: Iterable[StageReport], **extra: Any) -> di
     return doc
 
 
+STDOUT: Any = None  # where ``--json -`` writes: the real stdout (cli.main sends the rest to stderr)
+
+
 def write_json(path: str | os.PathLike, doc: dict[str, Any]) -> None:
-    """Write atomically (temp file + rename) so a reader never sees half a report."""
+    """Write atomically (temp file + rename) so a reader never sees half a report; ``-``:
+    to standard output (the human report then goes to standard error)."""
+    if str(path) == "-":
+        import sys
+
+        out = STDOUT or sys.stdout
+        out.write(json.dumps(doc, indent=2, allow_nan=False) + "\n")
+        out.flush()
+        return
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
