@@ -98,7 +98,7 @@ def _close(got: Tensor, want: Tensor) -> tuple[bool, float]:
     rtol, atol = _EPS.get(got.dtype, 1.2e-7), 1e-30
     g, w = got.reshape(-1), want.reshape(-1)
     if g.shape != w.shape:
-        cmp = within_rtol(got, want, rtol)
+        cmp = within_rtol(got.cpu(), want.cpu(), rtol)
         return cmp.ok, cmp.extra["max_abs_diff"]
     ok, worst = True, 0.0
     step = 1 << 24
@@ -164,7 +164,7 @@ def diagnose_slice(got: Tensor, want: Tensor, full: Tensor, param: HFParam, rank
               n_kv: int, spec: ArchSpec | None = None) -> tuple[str, str, dict] | None:
     """None when ``got`` is rank's expected slice; else (message, component, stats)."""
     rule, component = param.rule, param.component
-    got = got.detach().cpu()
+    got = got.detach()  # compared where the engine holds it (_close moves the expected values there)
     if tuple(got.shape) == tuple(want.shape):
         ok, diff = _close(got, want)
         if ok:
@@ -197,10 +197,14 @@ class LazyRankWeights(Mapping):
         self.by_block: set[str] = set()  # stacked expert parameters the audit reads in expert blocks
 
     def __getitem__(self, name: str) -> Tensor:
+        if hasattr(self.engine, "weight_tensor"):  # held as is, where it is (engines/hf.py)
+            return self.engine.weight_tensor(name, rank=self.rank)
         return self._narrowed(torch.as_tensor(self.engine.weight(name, rank=self.rank)))
 
     def block(self, name: str, experts: slice) -> Tensor:
         """Experts ``experts`` of a stacked expert parameter (``Engine.weight_experts``)."""
+        if hasattr(self.engine, "weight_tensor"):
+            return self.engine.weight_tensor(name, experts, rank=self.rank)
         return self._narrowed(torch.as_tensor(self.engine.weight_experts(name, experts, rank=self.rank)))
 
     def _narrowed(self, value: Tensor) -> Tensor:
