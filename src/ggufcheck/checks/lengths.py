@@ -149,8 +149,9 @@ def check_prefill_lengths(engine: Engine, sequence: Sequence[int], reference: To
         if longest_rows is None or n > int(longest_rows[0].max(initial=-1)):
             longest_rows = (m.position, kl)
         mean = float(np.mean(kl))
-        row = {"length": n, "rows": int(m.n), "mean_kl": mean, "p99_kl": float(np.percentile(kl, 99)), "max_kl": float(np.max(kl)),
-               "kl_limit": limit, "kl_p99_limit": max_limit, "onset": _onset(kl > max_limit, m.position)}
+        row = {"length": n, "rows": int(m.n), "mean_kl": mean, "p99_kl": float(np.percentile(kl, 99)),
+               "max_kl": float(np.max(kl)), "kl_limit": limit, "kl_p99_limit": max_limit,
+               "onset": _onset(kl > max_limit, m.position)}
         # a length fails on its mean, or where its rows go wrong from some position on; not on a
         # percentile, which over a short prefix is one row (a routing near-tie flip). Nor on one
         # row within the per-row limit that lifts the mean of a few rows over the limit (a tiny

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from ggufcheck.arch.spec import ArchSpec
 from ggufcheck.arch.table import TensorTable
+from ggufcheck.checks import index_ranges
 from ggufcheck.results import Result, StageReport, failed, passed, skipped
 from ggufcheck.sharding.rules import shard
 from ggufcheck.sharding.weights import HFParam, LazyRankWeights, diagnose_raw, diagnose_slice, full_tensors, hf_params
@@ -48,22 +49,20 @@ def run(session: "Session") -> list[StageReport]:
     caps = engine.capabilities
     params = hf_params(spec, table, model.tensors, caps.weight_layout)
     experts = session.options.experts
-    names = sorted(n for n, p in params.items()
-                   if all(session.options.tensor_chosen(e.name) for e in p.group.inputs.values())
-                   and (experts is None or expert_of(n) is None or expert_of(n) in experts))
+    in_layers = [n for n, p in params.items()
+                 if all(session.options.tensor_chosen(e.name) for e in p.group.inputs.values())]
+    names = sorted(n for n in in_layers if experts is None or expert_of(n) in (None, *experts))
     unchecked = []
-    outside_layers = sum(1 for p in params.values()
-                         if not all(session.options.tensor_chosen(e.name) for e in p.group.inputs.values()))
-    if outside_layers:
-        unchecked.append(f"{outside_layers} parameters of layers outside --layers")
+    if len(in_layers) < len(params):
+        unchecked.append(f"{len(params) - len(in_layers)} parameters of layers outside --layers")
     if experts is not None and spec.moe is not None:
-        unchecked.append(f"routed experts other than {_ranges(experts)} ({spec.moe.n_expert - len(experts)} of "
+        unchecked.append(f"routed experts other than {index_ranges(experts)} ({spec.moe.n_expert - len(experts)} of "
                          f"{spec.moe.n_expert} per MoE layer): --experts")
         report.info["chosen_experts"] = list(experts)
     if unchecked:
         report.info["not_checked"] = "; ".join(unchecked)
     session.say(f"auditing {len(names)} loaded parameters on {caps.tp_size} rank(s)"
-                + (f", experts {_ranges(experts)}" if experts is not None else ""))
+                + (f", experts {index_ranges(experts)}" if experts is not None else ""))
     report.add(check_engine_weights(model, spec, table, engine, names, experts=experts,
                                     not_chosen=set(params) - set(names)))
     report.info.update(tp=caps.tp_size, parameters=len(names), layout=caps.weight_layout)
@@ -78,19 +77,6 @@ def expert_of(hf_name: str) -> int | None:
 
 
 _EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.")
-
-
-def _ranges(indices) -> str:
-    """(0, 1, 2, 5) -> '0-2,5'."""
-    out, run = [], []
-    for i in sorted(indices):
-        if run and i != run[-1] + 1:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-            run = []
-        run.append(i)
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(out)
 
 
 def check_loaded_weights(model: "GGUFModel", spec: ArchSpec, table: TensorTable,

@@ -53,9 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_report_paths(args) -> None:
-    """Every report path (``--json``, ``--html``, ``--out``-like Path options named in
-    REPORT_OPTIONS) must be writable before any work starts: a run of minutes must not end in
-    "cannot write" with its verdict lost."""
+    """Every report path (the options in REPORT_OPTIONS) must be writable before any work
+    starts: a run of minutes must not end in "cannot write" with its verdict lost."""
     from pathlib import Path
 
     from ggufcheck.errors import UsageError

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 import torch
 
+from ggufcheck.checks import index_ranges
 from ggufcheck.checks.layers.localize import localize
 from ggufcheck.checks.layers.metrics import (
     MaxError,
@@ -119,7 +120,7 @@ def run_layers_stage(engine, reference, tokens_list: Sequence[Sequence[int]], ba
                                  else "fp32 reference vs fp64"))
     if chosen is not None:
         report.info["chosen_layers"] = compared
-        report.info["not_checked"] = (f"layers other than {_ranges(compared)} ({n_layer - len(compared)} of "
+        report.info["not_checked"] = (f"layers other than {index_ranges(compared)} ({n_layer - len(compared)} of "
                                       f"{n_layer}): --layers")
         return _judge_chosen(report, per_layer, runs, reference, baseline_reference, kinds, opts, allowance,
                              margin, router_margin, engine.capabilities.tp_size, errors, n_layer, shortened)
@@ -223,7 +224,8 @@ def _judge_chosen(report: StageReport, per_layer, runs, reference, baseline_refe
                           f"{row['limit']:.3g}", layer=row["layer"], stats=row_stats(row)))
     if not failing:
         report.add(passed("layers.chosen", "output",
-                          f"the {len(per_layer)} chosen layers ({_ranges([r['layer'] for r in per_layer])}) each compute "
+                          f"the {len(per_layer)} chosen layers ({index_ranges(r['layer'] for r in per_layer)}) "
+                          "each compute "
                           f"as the reference does on the engine's own input; the other {n_layer - len(per_layer)} "
                           "layers and the served distributions were not checked (--layers)" + shortened_note(shortened),
                           stats={"layers": [r["layer"] for r in per_layer]}))
@@ -239,21 +241,6 @@ def _judge_chosen(report: StageReport, per_layer, runs, reference, baseline_refe
     report.add(results)
     report.info["localized_layer"] = i
     return report
-
-
-def _ranges(layers: Sequence[int]) -> str:
-    """[0, 1, 2, 5, 40] -> '0-2, 5, 40'."""
-    out, run = [], []
-    for i in sorted(layers):
-        if run and i == run[-1] + 1:
-            run.append(i)
-            continue
-        if run:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [i]
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ", ".join(out)
 
 
 # How exactly an engine's own layer output must equal its input + attention + FFN outputs
