@@ -25,7 +25,7 @@ LAYER_FAULTS = {  # arch -> the faults the layers stage must name on it
     "llama": ["rope-pairing-swapped", "norm-eps-wrong", "attention-scale-wrong", "qk-permutation-missing",
               "block-scale-corrupted", "allreduce-doubled"],
     "deepseek2": ["kv-b-all-k-then-v", "kv-b-v-before-k", "experts-permuted", "router-bias-ignored",
-                  "routed-scale-twice", "routed-scale-never", "rope-pairing-swapped", "norm-eps-wrong",
+                  "router-bias-zeros", "expert-gate-up-swapped", "routed-scale-twice", "routed-scale-never", "rope-pairing-swapped", "norm-eps-wrong",
                   "attention-scale-wrong", "block-scale-corrupted", "gating-swapped"],
     "glm-dsa": ["kv-b-all-k-then-v", "indexer-ignored", "experts-permuted", "router-bias-ignored",
                 "routed-scale-twice", "rope-pairing-swapped", "norm-eps-wrong", "attention-scale-wrong"],
@@ -125,7 +125,11 @@ def test_layers_stage_names_the_fault(models, arch, name):
 
 WEIGHT_FAULTS = [("deepseek2", "kv-b-all-k-then-v", {"tp": 2}), ("glm-dsa", "kv-b-all-k-then-v", {"tp": 2}),
                  ("deepseek2", "kv-b-v-before-k", {}), ("llama", "qk-permutation-missing", {}),
-                 ("llama", "block-scale-corrupted", {}), ("deepseek2", "block-scale-corrupted", {"mode": "nan"})]
+                 ("llama", "block-scale-corrupted", {}), ("deepseek2", "block-scale-corrupted", {"mode": "nan"}),
+                 ("deepseek2", "router-bias-zeros", {}), ("glm-dsa", "expert-gate-up-swapped", {})]
+LAYOUT_NAMED = {"kv-b-all-k-then-v": "kv-b-all-k-then-v", "kv-b-v-before-k": "kv-b-v-before-k",  # the layout
+                "qk-permutation-missing": "rope-permuted", "router-bias-zeros": "all-zeros",  # the weights
+                "expert-gate-up-swapped": "swapped"}  # stage must name (sharding/layouts.py)
 
 
 @pytest.mark.parametrize("arch,name,kw", WEIGHT_FAULTS, ids=[f"{a}-{n}" for a, n, _ in WEIGHT_FAULTS])
@@ -137,6 +141,8 @@ def test_weights_then_layers_name_the_fault(models, arch, name, kw):
     verdict = decide(stages)
     assert verdict.stage == "weights", verdict.message
     assert (verdict.component, verdict.layer) == (FAULTS[name].component, fault_layer(name, m.path)), verdict.message
+    if name in LAYOUT_NAMED:
+        assert {r.stats.get("layout") for r in stages[0].failures} == {LAYOUT_NAMED[name]}, verdict.message
     assert stages[1].status == Status.FAIL  # the computation is wrong too
     engine.close()
 

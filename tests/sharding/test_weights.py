@@ -160,7 +160,7 @@ def test_the_fast_closeness_test_answers_as_within_rtol():
     import torch
 
     from ggufcheck.comparison import within_rtol
-    from ggufcheck.sharding.weights import _EPS, _close
+    from ggufcheck.sharding.weights import _EPS, close_to
 
     torch.manual_seed(0)
     w = torch.randn(1000, 37)
@@ -173,4 +173,104 @@ def test_the_fast_closeness_test_answers_as_within_rtol():
         cases.append((g, w))
     for g, want in cases:
         cmp = within_rtol(g, want, _EPS.get(g.dtype, 1.2e-7))
-        assert _close(g, want) == (cmp.ok, cmp.extra["max_abs_diff"])
+        assert close_to(g, want) == (cmp.ok, cmp.extra["max_abs_diff"])
+
+
+# ---- known wrong layouts, named (sharding/layouts.py); each wrong value built here by hand
+def _named(m, spec, table, loaded, tp, name, rank=0):
+    bad = [r for r in check_loaded_weights(m, spec, table, loaded, tp) if r.failed]
+    assert [r.tensor for r in bad] == [name], [r.message for r in bad]
+    assert bad[0].stats["rank"] == rank
+    return bad[0]
+
+
+def _kv_b_by_hand(kv_b, spec, order):
+    """kv_b [H*(P+V), L] with each head's (K, V) rows rearranged: "v-k" per head, "all-k" globally."""
+    p, v = spec.mla.qk_nope, spec.mla.v_head
+    heads = kv_b.view(-1, p + v, kv_b.shape[1])
+    if order == "v-k":
+        return torch.cat((heads[:, p:], heads[:, :p]), dim=1).reshape(kv_b.shape)
+    return torch.cat((heads[:, :p].reshape(-1, kv_b.shape[1]), heads[:, p:].reshape(-1, kv_b.shape[1])))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_kv_b_layouts_are_named(tiny_converted, tp):
+    with open_gguf(tiny_converted("deepseek2").gguf_path) as m:
+        spec, _ = spec_for_model(m)
+        table = table_for(spec)
+        sd = hf_state_dict(m, spec, table)
+        name = "model.layers.0.self_attn.kv_b_proj.weight"
+        for order, layout in (("v-k", "kv-b-v-before-k"), ("all-k", "kv-b-all-k-then-v")):
+            loaded = _loaded(spec, sd, tp)
+            wrong = _kv_b_by_hand(sd[name], spec, order)
+            for r in range(tp):
+                loaded[r][name] = wrong.chunk(tp)[r]
+            bad = [r for r in check_loaded_weights(m, spec, table, loaded, tp) if r.failed]
+            assert bad and all(r.tensor == name and r.component == "mla-kv-b" for r in bad)
+            assert {r.stats["layout"] for r in bad} == {layout}, [r.message for r in bad]
+
+
+def test_gate_up_swapped_is_named_dense_and_expert(model):
+    m, spec, table, sd = model
+    pairs = [("model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight")]
+    if spec.mla is not None:
+        pairs.append(("model.layers.1.mlp.experts.3.gate_proj.weight", "model.layers.1.mlp.experts.3.up_proj.weight"))
+    for gate, up in pairs:
+        loaded = _loaded(spec, sd, 2)
+        loaded[1][gate], loaded[1][up] = loaded[1][up], loaded[1][gate]
+        bad = {r.tensor: r for r in check_loaded_weights(m, spec, table, loaded, 2) if r.failed}
+        assert set(bad) == {gate, up}
+        assert bad[gate].stats["holds"] == up and bad[up].stats["holds"] == gate
+        assert "swapped" in bad[gate].message
+        assert bad[gate].component == ("moe-experts" if ".experts." in gate else "weights")
+
+
+def test_values_faults_are_named(model):
+    m, spec, table, sd = model
+    cases = {  # parameter -> (what a loader put there, layout the audit must name)
+        "model.layers.0.input_layernorm.weight": (lambda w: torch.zeros_like(w), "all-zeros"),
+        "model.norm.weight": (lambda w: torch.ones_like(w), "all-ones"),
+        "model.layers.1.post_attention_layernorm.weight": (lambda w: w + 1, "plus-one"),
+        "model.layers.0.mlp.down_proj.weight": (lambda w: w * 2.5, "scaled"),
+        "model.layers.1.self_attn.o_proj.weight": (lambda w: w.flip(0), "rows-permuted"),
+        "model.layers.0.self_attn.q_a_proj.weight" if spec.mla else "model.layers.0.self_attn.q_proj.weight":
+            (lambda w: torch.cat((w[w.shape[0] // 2:], w[:w.shape[0] // 2])), "rows-permuted"),
+    }
+    for name, (wrong, layout) in cases.items():
+        loaded = _loaded(spec, sd, 1)
+        loaded[0][name] = wrong(loaded[0][name])
+        result = _named(m, spec, table, loaded, 1, name)
+        assert result.stats["layout"] == layout, result.message
+    assert "times 2.5 " in _named(m, spec, table, {0: {**_loaded(spec, sd, 1)[0], "model.layers.0.mlp.down_proj.weight":
+                                                    sd["model.layers.0.mlp.down_proj.weight"] * 2.5}}, 1,
+                                  "model.layers.0.mlp.down_proj.weight").message
+
+
+def test_transposed_matrix_is_named(model):
+    m, spec, table, sd = model
+    for name in ("model.layers.0.mlp.gate_proj.weight", "model.layers.1.self_attn.o_proj.weight"):
+        loaded = _loaded(spec, sd, 1)
+        loaded[0][name] = loaded[0][name].T.contiguous()
+        assert _named(m, spec, table, loaded, 1, name).stats["layout"] == "transposed"
+
+
+def test_router_parameters_are_moe_router(tiny_converted):
+    with open_gguf(tiny_converted("deepseek2").gguf_path) as m:
+        spec, _ = spec_for_model(m)
+        table = table_for(spec)
+        sd = hf_state_dict(m, spec, table)
+        for name in ("model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.1.mlp.gate.weight"):
+            loaded = _loaded(spec, sd, 1)
+            loaded[0][name] = torch.zeros_like(loaded[0][name])
+            result = _named(m, spec, table, loaded, 1, name)
+            assert result.component == "moe-router" and result.stats["layout"] == "all-zeros"
+
+
+def test_unknown_wrong_values_stay_unnamed(model):
+    """A value no known layout explains keeps the plain message (no layout guessed)."""
+    m, spec, table, sd = model
+    name = "model.layers.0.mlp.down_proj.weight"
+    loaded = _loaded(spec, sd, 1)
+    loaded[0][name] = loaded[0][name] + torch.randn(loaded[0][name].shape, generator=torch.Generator().manual_seed(1))
+    result = _named(m, spec, table, loaded, 1, name)
+    assert "layout" not in result.stats and "values differ" in result.message

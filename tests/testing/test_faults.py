@@ -30,7 +30,7 @@ def deepseek2(tiny_converted):
 
 
 def test_registry_is_consistent():
-    assert len(FAULTS) == 20
+    assert len(FAULTS) == 22
     for name, fault in FAULTS.items():
         assert fault.name == name
         assert fault.component in ORDER, name

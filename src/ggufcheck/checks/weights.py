@@ -22,7 +22,9 @@ from ggufcheck.arch.table import TensorTable
 from ggufcheck.checks import index_ranges
 from ggufcheck.results import Result, StageReport, failed, passed, skipped
 from ggufcheck.sharding.rules import shard
-from ggufcheck.sharding.weights import HFParam, LazyRankWeights, diagnose_raw, diagnose_slice, full_tensors, hf_params
+from ggufcheck.sharding.layouts import swap_partners
+from ggufcheck.sharding.weights import (HFParam, LazyRankWeights, close_to, diagnose_raw, diagnose_slice, full_tensors,
+                                        hf_params)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ggufcheck.diagnose.session import Session
@@ -140,6 +142,8 @@ def check_loaded_weights(model: "GGUFModel", spec: ArchSpec, table: TensorTable,
             if problem is None:
                 n_ok[rank] += 1
                 continue
+            if "layout" not in problem[2]:
+                problem = _swapped(model, spec, params, full_by_name, name, got, rank, tp, n_kv, layout) or problem
             n_fail[rank] += 1
             message, component, stats = problem
             if n_fail[rank] > MAX_FAILS_PER_RANK:
@@ -175,6 +179,27 @@ def check_loaded_weights(model: "GGUFModel", spec: ArchSpec, table: TensorTable,
                                   f"rank {rank}: {n_ok[rank]} parameter(s) equal their expected TP {tp} slices",
                                   stats={"rank": rank, "tp": tp, "parameters": n_ok[rank]}))
     return results
+
+
+def _swapped(model: "GGUFModel", spec: ArchSpec, params, full_by_name, name: str, got: Tensor, rank: int,
+             tp: int, n_kv: int, layout: str) -> tuple[str, str, dict] | None:
+    """A wrong parameter that holds the expected slice of the one a mixed-up loader swapped it
+    with (gate <-> up, K <-> V: sharding.layouts.swap_partners), named; else None."""
+    for partner in swap_partners(name):
+        if partner not in params:
+            continue
+        if partner in full_by_name:  # made by the same group (a fused GGUF tensor split in two)
+            theirs = full_by_name[partner]
+        else:
+            p = params[partner]
+            made = expected_tensors(model, spec, p, expert_of(partner) if p.group.transform == "unstack_experts"
+                                    else None)
+            theirs = made[partner] if partner in made else next(iter(made.values()))
+        want = expected_slice(theirs, params[partner], rank, tp, n_kv, layout)
+        if tuple(want.shape) == tuple(got.shape) and close_to(got.detach(), want)[0]:
+            return (f"holds {partner}'s values (a loader that mixed up the two names)", params[name].component,
+                    {"layout": "swapped", "holds": partner})
+    return None
 
 
 EXPERT_BLOCK_BYTES = 512 << 20  # float32 bytes of one block of a stacked expert parameter in the audit

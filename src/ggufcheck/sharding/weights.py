@@ -8,7 +8,9 @@ arch table's transform (``arch.transforms``), then cut by the shard rule for tha
 (:func:`ggufcheck.sharding.rules.shard`). One Result per failing (tensor, rank), one PASS
 per rank summing up the rest. When a wrong parameter equals ANOTHER rank's slice, the
 verdict names it (fault catalog #1: every rank loaded shard 0); when it is the whole
-unsharded tensor, sharding was not applied. kv_b_proj results are component "mla-kv-b".
+unsharded tensor, sharding was not applied. kv_b_proj results are component "mla-kv-b", the
+router's "moe-router"; a wrong value is named by its layout where it is a known one
+(:mod:`ggufcheck.sharding.layouts`).
 
 Engines that keep GGUF weights quantized (vLLM's GGUF path) can hand over ``uint8`` bytes
 instead: those are compared, exactly, with the rank's slice of the file's raw bytes (one-to-one
@@ -32,12 +34,14 @@ from ggufcheck.arch.spec import ArchSpec
 from ggufcheck.arch.table import TensorTable
 from ggufcheck.arch.transforms import TRANSFORMS
 from ggufcheck.comparison import within_rtol
+from ggufcheck.sharding.layouts import name_layout, name_reshaped
 from ggufcheck.sharding.mla import KV_B_RULE
 from ggufcheck.sharding.rules import REPLICATED, ShardRule, raw_shard, rule_from_shard, shard
 
 if TYPE_CHECKING:  # pragma: no cover
     from ggufcheck.gguf.reader import GGUFModel
 
+ROUTER_TENSORS = ("ffn_gate_inp", "exp_probs_b")  # GGUF names of the router's parameters
 _EPS = {torch.float64: 1.2e-7, torch.float32: 1.2e-7, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 
@@ -76,6 +80,8 @@ def hf_params(spec: ArchSpec, table: TensorTable, names, layout: str = "checkpoi
         if g.transform in ("unstack_experts", "fuse_gate_up", "split_fused_gate_up", "oai_gate_up",
                            "oai_gate_up_bias", "transpose_experts"):
             component = "moe-experts"  # a wrong routed-expert parameter (e.g. experts in the wrong order)
+        if any(r in e.name for e in g.inputs.values() for r in ROUTER_TENSORS):
+            component = "moe-router"  # the router's weight or its selection bias: which experts run
         for name in transform.hf_names(spec, g.hf_name):
             out[name] = HFParam(name, rule, g, component)
     return out
@@ -88,7 +94,7 @@ def full_tensors(model: "GGUFModel", spec: ArchSpec, param: HFParam) -> dict[str
     return TRANSFORMS[param.group.transform].to_hf(values, spec, param.group.hf_name)
 
 
-def _close(got: Tensor, want: Tensor) -> tuple[bool, float]:
+def close_to(got: Tensor, want: Tensor) -> tuple[bool, float]:
     """Within one rounding of ``got``'s dtype of ``want``, elementwise; and the max |diff|.
 
     ``comparison.within_rtol``'s test (|got - want| <= rtol |want| + atol, NaN never within),
@@ -164,24 +170,21 @@ def diagnose_slice(got: Tensor, want: Tensor, full: Tensor, param: HFParam, rank
               n_kv: int, spec: ArchSpec | None = None) -> tuple[str, str, dict] | None:
     """None when ``got`` is rank's expected slice; else (message, component, stats)."""
     rule, component = param.rule, param.component
-    got = got.detach()  # compared where the engine holds it (_close moves the expected values there)
+    got = got.detach()  # compared where the engine holds it (close_to moves the expected values there)
     if tuple(got.shape) == tuple(want.shape):
-        ok, diff = _close(got, want)
+        ok, diff = close_to(got, want)
         if ok:
             return None
-        if spec is not None and param.group.transform in ("llama_q", "llama_k"):
-            stored = full[torch.argsort(row_order(param.group.transform, spec, full.shape[0]))]
-            if _close(got, shard(stored, rule, rank, tp, n_kv))[0]:
-                return ("rows are in the GGUF's rope-permuted order: the loader did not undo llama.cpp's q/k "
-                        "permutation, so NEOX rope pairs the wrong dimensions", "rope", {"max_abs_diff": diff})
-        for other in range(tp):  # someone else's slice?
-            if other != rank and _close(got, shard(full, rule, other, tp, n_kv))[0]:
-                return (f"holds rank {other}'s slice instead of its own (a loader ignoring the rank)",
-                        "sharding" if component in ("weights", "moe-experts") else component, {"holds_rank": other})
+        named = name_layout(got, want, full, param, rank, tp, n_kv, spec, close_to)
+        if named is not None:
+            return named[0], named[1], {**named[2], "max_abs_diff": diff}
         return (f"values differ from the expected slice (max |diff| {diff:.3g})", component,
                 {"max_abs_diff": diff})
     if tp > 1 and rule is not REPLICATED and tuple(got.shape) == tuple(full.shape):
         return ("holds the whole unsharded tensor (sharding not applied)", "sharding", {"shape": list(got.shape)})
+    transposed = name_reshaped(got, want, close_to)
+    if transposed is not None:
+        return transposed[0], component, transposed[1]
     return (f"shape {tuple(got.shape)} != expected slice {tuple(want.shape)}",
             "sharding" if rule.is_split else component, {"shape": list(got.shape), "expected": list(want.shape)})
 

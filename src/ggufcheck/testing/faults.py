@@ -398,6 +398,28 @@ def _build_router_bias_ignored(cfg: ReferenceConfig, layer: int | None = None, *
     return ModelPatch(layer_weights=patch)
 
 
+def _build_router_bias_zeros(cfg: ReferenceConfig, layer: int | None = None, **_: Any) -> ModelPatch:
+    target = _first_moe(cfg, layer)
+
+    def patch(c: ReferenceConfig, i: int, w: Weights) -> Weights:
+        if i != target or "exp_probs_b.bias" not in w:
+            return w
+        return {**w, "exp_probs_b.bias": torch.zeros_like(w["exp_probs_b.bias"])}
+
+    return ModelPatch(layer_weights=patch)
+
+
+def _build_expert_gate_up_swapped(cfg: ReferenceConfig, layer: int | None = None, **_: Any) -> ModelPatch:
+    target = _last(cfg, layer)
+
+    def patch(c: ReferenceConfig, i: int, w: Weights) -> Weights:
+        if i != target or "ffn_gate_exps.weight" not in w:
+            return w
+        return {**w, "ffn_gate_exps.weight": w["ffn_up_exps.weight"], "ffn_up_exps.weight": w["ffn_gate_exps.weight"]}
+
+    return ModelPatch(layer_weights=patch)
+
+
 def _build_scale_twice(cfg: ReferenceConfig, layer: int | None = None, **_: Any) -> ModelPatch:
     return ModelPatch(config={"expert_weights_scale": cfg.expert_weights_scale ** 2})
 
@@ -524,6 +546,7 @@ def _patch_builders() -> dict[str, Callable[..., ModelPatch]]:
     return {
         "kv-b-all-k-then-v": _build_kv_b_tp, "kv-b-v-before-k": _build_v_then_k,
         "experts-permuted": _build_experts_permuted, "router-bias-ignored": _build_router_bias_ignored,
+        "router-bias-zeros": _build_router_bias_zeros, "expert-gate-up-swapped": _build_expert_gate_up_swapped,
         "routed-scale-twice": _build_scale_twice, "routed-scale-never": _build_scale_never,
         "rope-pairing-swapped": _build_rope_swapped, "norm-eps-wrong": _build_norm_eps,
         "attention-scale-wrong": _build_attention_scale, "indexer-ignored": _build_indexer_ignored,
@@ -537,7 +560,8 @@ def _patch_builders() -> dict[str, Callable[..., ModelPatch]]:
 
 _FIRST_LAYER: dict[str, Callable[[ReferenceConfig, int | None], int | None]] = {
     "kv-b-all-k-then-v": _zero, "kv-b-v-before-k": _zero, "experts-permuted": _last,
-    "router-bias-ignored": _first_moe, "routed-scale-twice": _first_moe, "routed-scale-never": _first_moe,
+    "router-bias-ignored": _first_moe, "router-bias-zeros": _first_moe, "expert-gate-up-swapped": _last,
+    "routed-scale-twice": _first_moe, "routed-scale-never": _first_moe,
     "rope-pairing-swapped": _zero, "norm-eps-wrong": _last, "attention-scale-wrong": _zero,
     "indexer-ignored": _zero, "kv-cache-corrupt-decode": _none, "flat-output": _none,
     "qk-permutation-missing": _zero, "block-scale-corrupted": _last, "allreduce-doubled": _last,
@@ -564,6 +588,12 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _f("router-bias-ignored", "moe-router", BIASED_ROUTER_ARCHS, "layers",
        "the selection bias exp_probs_b (e_score_correction_bias) ignored in every MoE layer",
        layers_component="moe-router"),
+    _f("router-bias-zeros", "moe-router", BIASED_ROUTER_ARCHS, "weights",
+       "the first MoE layer's selection bias exp_probs_b (e_score_correction_bias) loaded as zeros (its key "
+       "not matched)", per_layer=True, layers_component="moe-router"),
+    _f("expert-gate-up-swapped", "moe-experts", MOE_ARCHS, "weights",
+       "the last layer's routed experts computed with gate and up swapped (ffn_gate_exps <-> ffn_up_exps)",
+       per_layer=True, layers_component="moe-experts"),
     _f("routed-scale-twice", "moe-router", BIASED_ROUTER_ARCHS, "layers",
        "routed_scaling_factor applied twice (s^2) in every MoE layer", layers_component="moe-router"),
     _f("routed-scale-never", "moe-router", BIASED_ROUTER_ARCHS, "layers",
