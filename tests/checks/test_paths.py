@@ -137,6 +137,27 @@ def test_an_isolated_spike_is_not_an_onset_and_the_indexer_top_k_is_a_landmark()
     assert first_divergence(m, 2.0) is None
 
 
+def test_an_onset_at_the_first_compared_row_cites_no_boundary():
+    """Wrong from the first compared row on (decode compared from position 16, prefill wrong
+    too): 16 is where the comparison starts, not evidence of a cache block at 16."""
+    from ggufcheck.checks.logits import PositionMetrics
+    from ggufcheck.checks.paths import first_divergence
+
+    kl = np.ones(40)
+    m = PositionMetrics(kl=kl, agree=kl == 0, delta_p=kl, nmse=kl, sequence=np.zeros(40, int),
+                        position=np.arange(16, 56), ref_argmax=np.zeros(40), eng_argmax=np.zeros(40))
+    first = first_divergence(m, 0.1, {"the DSA indexer's top_k": 16})
+    assert first["position"] == 16 and first["boundary"] is None
+    assert "first compared position 16" in first["text"] and "boundary" not in first["text"]
+    kl[:8] = 0.0  # agreeing rows up to 23, then wrong from 24: no landmark at 24
+    first = first_divergence(m, 0.1)
+    assert first["position"] == 24 and "not at a usual block boundary" in first["text"]
+    gap = PositionMetrics(kl=kl[[0, 1, 2, 16, 17]], agree=kl[[0, 1, 2, 16, 17]] == 0, delta_p=kl[:5], nmse=kl[:5],
+                          sequence=np.zeros(5, int), position=np.array([10, 11, 12, 32, 33]),
+                          ref_argmax=np.zeros(5), eng_argmax=np.zeros(5))
+    assert first_divergence(gap, 0.1)["boundary"] is None  # rows 13..31 not compared: 32 is not shown
+
+
 def test_a_prefill_fault_past_the_prompts_is_found_on_the_long_sequence_and_its_boundary_named():
     """Prefill rows wrong from position 128 on (a KV page boundary in the prompt path): the
     built-in prompts (<= 96 tokens) never reach it; the long decode's sequence, teacher-forced,

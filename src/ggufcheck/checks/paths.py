@@ -211,6 +211,7 @@ def first_divergence(m, limit: float, landmarks: dict[str, int] | None = None, w
                 if best is None or pos < best["position"]:
                     before = int(m.position[rows[j - 1]]) if j > 0 else None
                     best = {"sequence": int(s), "position": pos, "first_compared": int(m.position[rows[0]]),
+                            "seen_before": before == pos - 1,  # the row just before was compared
                             "last_good": before, "wrong_after": float(bad[j:].mean()),
                             "kl": float(m.kl[rows[j]]), "argmax_agrees": bool(m.agree[rows[j]]),
                             "reference_margin": None if m.ref_margin is None else float(m.ref_margin[rows[j]])}
@@ -220,17 +221,24 @@ def first_divergence(m, limit: float, landmarks: dict[str, int] | None = None, w
     pos = best["position"]
     marks = dict(landmarks or {})
     # the row at position P is the first to read a cache entry P: a block starting at b shows
-    # first at P = b exactly
-    hit = next((f"{name} {value}" for name, value in marks.items() if value and pos == value), None)
-    if hit is None:
-        b = next((b for b in BOUNDARIES if pos == b), None)
-        if b is not None:
-            hit = f"a cache block / page boundary ({b} tokens)"
-    where = (f"it starts at position {pos} (sequence {best['sequence']}; positions "
-             f"{best['first_compared']}..{pos - 1} agree)" if best["first_compared"] < pos else
-             f"it starts at the first compared position {pos} (sequence {best['sequence']})")
+    # first at P = b exactly. A boundary is cited only where the data show a change there: the
+    # row just before it was compared (and is not part of the onset); where the onset is the
+    # first compared row, the comparison cannot tell where the divergence starts
+    hit = None
+    if best.pop("seen_before"):
+        hit = next((f"{name} {value}" for name, value in marks.items() if value and pos == value), None)
+        if hit is None:
+            b = next((b for b in BOUNDARIES if pos == b), None)
+            if b is not None:
+                hit = f"a cache block / page boundary ({b} tokens)"
     best["boundary"] = hit
-    best["text"] = where + (f", at {hit}" if hit else ", not at a usual block boundary")
+    if best["first_compared"] < pos:
+        where = (f"it starts at position {pos} (sequence {best['sequence']}; positions "
+                 f"{best['first_compared']}..{pos - 1} agree)")
+        best["text"] = where + (f", at {hit}" if hit else ", not at a usual block boundary")
+    else:
+        best["text"] = (f"it is wrong from the first compared position {pos} (sequence {best['sequence']}) on: "
+                        "where it starts before that is not measured here")
     margin = best["reference_margin"]
     if margin is not None and math.isfinite(margin):
         tie = "a near-tie" if margin < 0.1 else "not a near-tie"
