@@ -259,3 +259,50 @@ def test_two_paths_that_each_agree_with_the_reference_pass_and_a_wrong_one_is_na
                                    Q8, tol, ("one prefill", "the chunks"))
     assert wrong.failed and "the chunks over it" in wrong.message
     assert wrong.stats["against_reference"]["one prefill"]["ok"] and not wrong.stats["against_reference"]["the chunks"]["ok"]
+
+
+def test_nan_rows_fail_first_and_both_nan_paths_are_not_told_apart():
+    """NaN rows drop out of every mean and percentile: a pair with a few NaN rows on one path
+    must fail on them (not pass on the finite rest), and one with NaN on both paths is not
+    evidence against either path (sanity and the logits stage name it)."""
+    from ggufcheck.checks.logits import Baseline, LogitTolerance, collect, judge
+    from ggufcheck.checks.paths import _judge_pairs
+
+    rng = np.random.default_rng(0)
+    base = log_softmax(rng.normal(0, 3, (50, 64))).astype(np.float32)
+    tokens = [i % 64 for i in range(50)]
+    nan = base.copy()
+    nan[30:33] = np.nan
+    baseline = Baseline(source="test", kl_mean=0.005, kl_p99=0.05, argmax_agreement=0.97, nmse_mean=0.01,
+                        delta_p_rms=0.03)
+    good, bad = TokenLogprobs(tokens, 64, base), TokenLogprobs(tokens, 64, nan)
+    one = _judge_pairs("paths.x", "decode", "x", [(good, bad)], baseline, LogitTolerance(), None)
+    assert one.status is Status.FAIL and one.stats["nonfinite_positions"] == 3
+    assert one.stats["first"]["position"] == 30
+    both = _judge_pairs("paths.x", "decode", "x", [(bad, bad)], baseline, LogitTolerance(), None)
+    assert both.status is Status.SKIP and "both paths" in both.message
+    all_nan = TokenLogprobs(tokens, 64, np.full_like(base, np.nan))
+    results = judge(collect([(good, all_nan)]), baseline)  # no finite row at all: no KeyError
+    assert [r.status for r in results] == [Status.FAIL] and "50 of 50" in results[0].message
+
+
+def test_a_nan_engine_is_diagnosed_without_an_internal_error():
+    """One layer's weights NaN (a corrupted quant block, weights hidden): every stage runs to
+    the end; the layers stage names the first layer whose output holds NaN, sanity the rows."""
+    from ggufcheck.diagnose.plan import DiagnoseOptions, diagnose
+    from ggufcheck.testing.faults import make_faulty_engine
+    from ggufcheck.synthetic.tiny import build_tiny_gguf
+    import tempfile
+    from pathlib import Path
+
+    path = build_tiny_gguf("llama", Path(tempfile.mkdtemp()) / "nan.gguf", qtypes="Q8_0", seed=1).path
+    engine = make_faulty_engine("block-scale-corrupted", path, expose_weights=False, mode="nan", layer=1)
+    d = diagnose(DiagnoseOptions(model=path, kernels=False), engine=engine)
+    engine.close()
+    results = [r for s in d.stages for r in s.results]
+    assert not [r.message for r in results if r.status is Status.ERROR]
+    assert d.verdict.layer == 1 and d.verdict.component == "attention"
+    residual = next(r for r in results if r.check == "layers.residual" and r.failed)
+    assert "holds NaN or inf, the first layer that does" in residual.message
+    finite = next(r for r in results if r.check == "sanity.finite")
+    assert finite.failed and finite.stats["first"]["position"] == 0 and finite.stats["kinds"] == ["NaN"]

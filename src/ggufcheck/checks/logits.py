@@ -286,11 +286,31 @@ def _safe(text: Detokenize, tokens: Sequence[int]) -> str:
         return " ".join(str(int(t)) for t in tokens)
 
 
+def nonfinite(metrics: PositionMetrics, check: str, component: str, what: str) -> Result | None:
+    """A FAIL when any compared row's KL is NaN or inf (a NaN or -inf log-prob where the other
+    side has mass): such rows would otherwise drop out of every mean and percentile, and a
+    run whose rows are all non-finite has no statistics at all. None when every row is finite."""
+    bad = ~np.isfinite(metrics.kl)
+    if not bad.any():
+        return None
+    i = int(np.flatnonzero(bad)[0])
+    where = {"sequence": int(metrics.sequence[i]), "position": int(metrics.position[i])}
+    return failed(check, component,
+                  f"{what}: {int(bad.sum())} of {metrics.n} positions give a non-finite KL (NaN or inf log-probs, "
+                  f"or -inf where the other side has mass), first at sequence {where['sequence']} position "
+                  f"{where['position']} (judged before any statistic: a mean or a percentile would drop these rows)",
+                  stats={"nonfinite_positions": int(bad.sum()), "positions": metrics.n, "first": where},
+                  worst=where)
+
+
 def judge(metrics: PositionMetrics, baseline: Baseline, tolerance: LogitTolerance = LogitTolerance(),
           *, detokenize: Detokenize | None = None, component: str = "output") -> list[Result]:
     """The logits stage's results: KL mean, KL p99, argmax agreement, delta-p, NMSE."""
     if metrics.n == 0:
         return [skipped("logits.kl", component, "no position was reported by both the reference and the engine")]
+    broken = nonfinite(metrics, "logits.kl_mean", component, "KL(ref||engine)")
+    if broken is not None:
+        return [broken]
     m = tolerance.multiple
     kl = distribution(metrics.kl)
     method = "full vocabulary" if metrics.full_vocab else "top-k + tail bucket (a lower bound on the full KL)"

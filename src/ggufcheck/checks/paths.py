@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ggufcheck.checks.logits import (ALLOWANCES, Baseline, LogitTolerance, argmax_agreement, collect, distribution,
-                                     wilson_interval)
+                                     nonfinite, wilson_interval)
 from ggufcheck.engines.base import Engine, Generation, TokenLogprobs, Unsupported
 from ggufcheck.results import Result, Status, failed, passed, skipped
 
@@ -117,6 +117,12 @@ def _judge_pairs(check: str, component: str, what: str, pairs: Sequence[tuple[To
                "which two correct paths may resolve differently" if m.ambiguous else
                "no position was reported by both paths")
         return skipped(check, component, f"{what}: {why}")
+    broken = nonfinite(m, check, component, what)
+    if broken is not None:
+        if all(_has_nan(a) for a, _ in pairs) and all(_has_nan(b) for _, b in pairs):
+            return skipped(check, component, f"{what}: both paths give NaN or inf log-probs, so they cannot be told "
+                                             "apart here (sanity.finite and the logits stage name it)")
+        return broken
     kl = distribution(m.kl)
     limit = tol.multiple * baseline.kl_mean + tol.kl_floor
     limit99 = tol.multiple * baseline.kl_p99 + tol.kl_p99_floor
@@ -152,6 +158,12 @@ def _judge_pairs(check: str, component: str, what: str, pairs: Sequence[tuple[To
             stats["first_divergence"] = first
             msg += "; " + first["text"]
     return (passed if ok else failed)(check, component, msg, stats=stats, worst=worst)
+
+
+def _has_nan(table: TokenLogprobs) -> bool:
+    """NaN or +inf in the rows a path reported (-inf alone is a token the engine masks)."""
+    values = table.logprobs[table.present] if table.full else table.topk_logprobs[table.present]
+    return bool(np.isnan(values).any() or np.isposinf(values).any())
 
 
 # a single position this many times over the path pair's max limit fails it on its own
@@ -358,11 +370,12 @@ def check_chunked_prefill(engine: Engine, prompts: Sequence[Sequence[int]], sing
             marks = {**landmarks(options), f"the start of the second chunk of {size} tokens, position": size}
             result = _pair_verdict(check, "prefill", what, pairs, baseline, options.tolerance, marks)
             taken: dict = {}
-            if result.failed:
+            finite = "nonfinite_positions" not in result.stats  # NaN rows: no tie or layer to look for
+            if result.failed and finite:
                 result, taken = _past_routing_ties(engine, used, pairs, size, result, what, baseline, options, marks)
             result = _each_within_reference(result, pairs, reference_score, baseline, options.tolerance,
                                             ("one prefill", "the chunks"), reference_baseline)
-            if result.failed:
+            if result.failed and finite:
                 from ggufcheck.checks.path_layers import localize_chunked
 
                 seq, pos = result.worst["sequence"], result.worst["position"]

@@ -46,15 +46,33 @@ def _probs(table: TokenLogprobs) -> np.ndarray:
 
 
 def check_finite(tables: Sequence[TokenLogprobs]) -> Result:
+    """Every served row finite. A failure names the first bad row and what it holds: NaN from
+    the first position on is a broken weight or kernel; finite rows that turn NaN or inf later
+    are an overflow that grows with the context (fp16 activations)."""
     bad = 0
     total = 0
-    for t in tables:
+    first = None
+    kinds = set()
+    for s, t in enumerate(tables):
         values = t.logprobs[t.present] if t.full else t.topk_logprobs[t.present][:, :1]
         total += values.shape[0]
-        bad += int((~np.isfinite(values).all(axis=1) if t.full else ~np.isfinite(values[:, 0])).sum())
+        rows = ~np.isfinite(values).all(axis=1) if t.full else ~np.isfinite(values[:, 0])
+        bad += int(rows.sum())
+        if rows.any():
+            kinds |= {"NaN"} if np.isnan(values[rows]).any() else set()
+            kinds |= {"inf"} if np.isinf(values[rows]).any() else set()
+            if first is None:
+                first = {"sequence": s, "position": int(np.flatnonzero(t.present)[np.flatnonzero(rows)[0]]),
+                         "of": int(values.shape[0])}
     if bad:
-        return failed("sanity.finite", COMPONENT, f"{bad}/{total} positions have NaN or +-Inf log-probs",
-                      stats={"bad_positions": bad, "positions": total})
+        when = ("from the first position on (a broken weight or kernel)" if first["position"] == 0 else
+                f"first at position {first['position']} of sequence {first['sequence']}, after finite rows (an "
+                "overflow that grows with the context, e.g. fp16 activations)")
+        return failed("sanity.finite", COMPONENT,
+                      f"{bad}/{total} positions have {' and '.join(sorted(kinds))} log-probs, {when}; such rows "
+                      "sample one token over and over ('!!!!', 'GGGG')",
+                      stats={"bad_positions": bad, "positions": total, "first": first, "kinds": sorted(kinds)},
+                      worst=first)
     return passed("sanity.finite", COMPONENT, f"all {total} positions have finite log-probs")
 
 

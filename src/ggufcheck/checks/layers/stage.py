@@ -157,6 +157,9 @@ def run_layers_stage(engine, reference, tokens_list: Sequence[Sequence[int]], ba
                               f"layer {i}: residual error {row['error']:.3g} vs limit {row['limit']:.3g} "
                               f"(baseline {row['baseline']:.3g}); the first layer that diverges"
                               + (f" is {first}, the first that computes wrongly is {i}" if i != first else "")
+                              + ("; its output holds NaN or inf, the first layer that does"
+                                 if row["error"] == float("inf") and all(per_layer[j]["error"] < float("inf")
+                                                                         for j in range(i)) else "")
                               + errors[i].text(),
                               layer=i, stats=row_stats(row), worst=errors[i].worst()))
             report.add(results)
