@@ -23,6 +23,7 @@ class Status(str, enum.Enum):
     FAIL = "FAIL"
     SKIP = "SKIP"
     ERROR = "ERROR"
+    WARN = "WARN"  # nothing wrong was measured, but something the user must know (never the verdict)
 
 
 class ReadOnlyDict(dict):
@@ -73,7 +74,7 @@ class Result:
         return replace(self, message=text, stats={**self.stats, **(stats or {})}, **changes)
 
     def __bool__(self) -> bool:  # a Result is truthy when it did not fail
-        return self.status in (Status.PASS, Status.SKIP)
+        return self.status in (Status.PASS, Status.SKIP, Status.WARN)
 
     @property
     def failed(self) -> bool:
@@ -105,6 +106,10 @@ def failed(check: str, component: str, message: str, **kw: Any) -> Result:
     return Result(check, Status.FAIL, component, message, **kw)
 
 
+def warned(check: str, component: str, message: str, **kw: Any) -> Result:
+    return Result(check, Status.WARN, component, message, **kw)
+
+
 def skipped(check: str, component: str, reason: str, **kw: Any) -> Result:
     return Result(check, Status.SKIP, component, reason, **kw)
 
@@ -130,7 +135,7 @@ class StageReport:
     @property
     def status(self) -> Status:
         statuses = {r.status for r in self.results}
-        for s in (Status.ERROR, Status.FAIL, Status.PASS):
+        for s in (Status.ERROR, Status.FAIL, Status.WARN, Status.PASS):
             if s in statuses:
                 return s
         return Status.SKIP

@@ -373,7 +373,7 @@ def _build_gqa(keys: Keys, arch: str, n_embd: int, n_block: int, n_nextn: int, n
     if head_k is None or head_v is None:
         return None
     rope = _rope(keys, arch, head_dim=head_k, n_rot_default=head_k)
-    moe = _moe(keys, arch, n_block) if arch in MOE_ARCHS else None
+    moe = _moe(keys, arch, n_block, n_vocab) if arch in MOE_ARCHS else None
     n_ff = keys.int("feed_forward_length", 0 if moe is not None else REQUIRED, minimum=0)
     if rope is None or n_ff is None or (arch in MOE_ARCHS and moe is None):
         return None
@@ -471,7 +471,7 @@ def _build_mla(keys: Keys, arch: str, n_embd: int, n_block: int, n_nextn: int, n
                tied: bool | None) -> ArchSpec | None:
     """deepseek2, glm-dsa: MLA attention (+ MoE, + the DSA indexer for glm-dsa)."""
     mla = _mla(keys, arch, n_head_kv)
-    moe = _moe(keys, arch, n_block) if keys.has("expert_count") or arch == "glm-dsa" else None
+    moe = _moe(keys, arch, n_block, n_vocab) if keys.has("expert_count") or arch == "glm-dsa" else None
     if mla is None or (arch == "glm-dsa" and moe is None):
         return None
     if moe is None:  # a deepseek2 without experts (llama.cpp: every layer dense)
@@ -501,6 +501,9 @@ def _rope(keys: Keys, arch: str, head_dim: int, n_rot_default: int) -> Rope | No
     ok = check(keys, n_rot % 2 == 0, "rope.dimension_count", f"{n_rot} is odd")
     ok &= check(keys, n_rot <= head_dim, "rope.dimension_count",
                  f"{n_rot} rotated dims exceed the head dim {head_dim}")
+    if scaling is None and keys.float("rope.scaling.factor", 0.0) not in (None, 0.0, 1.0):
+        scaling = "linear"  # llama.cpp's default type string; its factor then scales every position
+        keys.notes.append("rope.scaling.type absent with a scaling factor: linear (llama.cpp's default)")
     if scaling in (None, "none"):
         return Rope(base, n_rot, PAIRING[arch], head_dim) if ok else None
     factor = keys.float("rope.scaling.factor", positive=True)
@@ -564,7 +567,14 @@ def _mla(keys: Keys, arch: str, n_head_kv: int) -> MLA | None:
                v_head=v_mla, split_kv_b=split)
 
 
-def _moe(keys: Keys, arch: str, n_block: int) -> MoE | None:
+def glm_lite_gating(arch: str, n_block: int, n_vocab: int) -> bool:
+    """llama.cpp's rule (2026) for a deepseek2 file without expert_gating_func: 47 or 48 blocks
+    and GLM's 154880-token vocabulary is GLM-4.7 Lite (Flash), a sigmoid router; any other is
+    an old DeepSeek V2 / V2.5 file, softmax. Builds before the rule read softmax for all."""
+    return arch == "deepseek2" and n_block in (47, 48) and n_vocab == 154880
+
+
+def _moe(keys: Keys, arch: str, n_block: int, n_vocab: int = 0) -> MoE | None:
     n_expert = keys.int("expert_count")
     n_used = keys.int("expert_used_count")
     # deepseek2 / glm-dsa files always say how many shared experts; glm4moe and qwen3moe may not (0)
@@ -583,8 +593,9 @@ def _moe(keys: Keys, arch: str, n_block: int) -> MoE | None:
     if None in (n_expert, n_used, n_shared, expert_ff, dense, norm, scale, n_group, n_group_used):
         return None
     if code in (None, 0):  # 0 = LLAMA_EXPERT_GATING_FUNC_TYPE_NONE: the loader's default
-        gating = DEFAULT_GATING[arch]
-        keys.notes.append(f"expert_gating_func absent: {gating.value} (the {arch} default)")
+        gating = Gating.SIGMOID if glm_lite_gating(arch, n_block, n_vocab) else DEFAULT_GATING[arch]
+        keys.notes.append(f"expert_gating_func absent: {gating.value} (the {arch} default"
+                          + (", GLM-4.7 Lite's dims)" if glm_lite_gating(arch, n_block, n_vocab) else ")"))
     elif code in GATING_CODES:
         gating = GATING_CODES[code]
     else:

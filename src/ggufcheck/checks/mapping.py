@@ -19,7 +19,7 @@ from ggufcheck.arch.keys import Finding
 from ggufcheck.arch.spec import ArchSpec, GenericSpec, build_spec
 from ggufcheck.arch.table import TensorTable, expected_tensors
 from ggufcheck.arch.tables import table_for
-from ggufcheck.results import Result, failed, passed, skipped
+from ggufcheck.results import Result, failed, passed, skipped, warned
 
 if TYPE_CHECKING:  # pragma: no cover
     from ggufcheck.gguf.reader import GGUFModel
@@ -89,7 +89,17 @@ def spec_results(spec: ArchSpec | GenericSpec | None, findings: list[Finding]) -
 def mapping_stage(model: "GGUFModel") -> list[Result]:
     """Spec (component ``metadata``) then mapping results for one open model."""
     spec, findings = build_spec(model.metadata, model.tensors.keys())
-    return spec_results(spec, findings) + check_mapping(model, spec, table_for(spec) if spec else None)
+    return (spec_results(spec, findings) + defaults_results(model, spec)
+            + check_mapping(model, spec, table_for(spec) if spec else None))
+
+
+def defaults_results(model: "GGUFModel", spec) -> list[Result]:
+    """A WARN per absent key that engines read differently (arch/defaults.py)."""
+    from ggufcheck.arch.defaults import divergent_defaults
+
+    return [warned("metadata.defaults", "metadata", d.message,
+                   stats={"key": d.key, "reference": d.reference, "readings": dict(d.readings)})
+            for d in divergent_defaults(model.metadata, model.tensors.keys(), spec)]
 
 
 # --- helpers ------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ class Verdict:
     evidence: dict[str, Any] = field(default_factory=dict)
     next_steps: str = ""
     errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # WARN results: never the verdict, always shown
     # nothing failed, but no stage compared the deployment with a reference (layers, logits):
     # never "healthy"; ``message`` says what ran and why the rest could not
     unverified: bool = False
@@ -42,7 +43,7 @@ class Verdict:
             "healthy": self.healthy, "component": self.component, "layer": self.layer,
             "stage": self.stage, "check": self.check, "message": self.message,
             "evidence": self.evidence, "next_steps": self.next_steps, "errors": self.errors,
-            "unverified": self.unverified,
+            "warnings": self.warnings, "unverified": self.unverified,
         })
 
 
@@ -56,6 +57,15 @@ def _rank(r: Result) -> tuple:
 
 def decide(stages: Iterable[StageReport]) -> Verdict:
     stages = list(stages)
+    warnings = [f"{s.stage}/{r.check}: {r.message}" for s in stages for r in s.results if r.status == Status.WARN]
+    verdict = _decide(stages)
+    verdict.warnings = warnings
+    if verdict.healthy and warnings:
+        verdict.message += f" ({len(warnings)} warning{'s' if len(warnings) > 1 else ''}: read them before trusting it)"
+    return verdict
+
+
+def _decide(stages: list[StageReport]) -> Verdict:
     errors = [f"{s.stage}/{r.check}: {r.message}" for s in stages for r in s.results if r.status == Status.ERROR]
     for stage in stages:
         fails = [r for r in stage.results if r.status == Status.FAIL]

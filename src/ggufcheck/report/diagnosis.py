@@ -43,9 +43,11 @@ def render_diagnosis(console: Console, diagnosis: Any, verbose: bool = False) ->
         for stage in diagnosis.stages:
             render_stage(console, stage, verbose=True)
     else:
-        failing = [(s.stage, r) for s in diagnosis.stages for r in s.results if r.status in (Status.FAIL, Status.ERROR)]
+        failing = [(s.stage, r) for s in diagnosis.stages for r in s.results
+                   if r.status in (Status.FAIL, Status.ERROR, Status.WARN)]
         if failing:
-            table = Table(title="failing checks", title_justify="left", expand=True)
+            title = "failing checks" + (" and warnings" if any(r.status == Status.WARN for _, r in failing) else "")
+            table = Table(title=title, title_justify="left", expand=True)
             table.add_column("stage", no_wrap=True)
             table.add_column("status", no_wrap=True)
             table.add_column("component", no_wrap=True)

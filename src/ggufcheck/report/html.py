@@ -20,7 +20,7 @@ from ggufcheck import __version__
 from ggufcheck.errors import UsageError
 from ggufcheck.results import StageReport, Status
 
-COLORS = {"PASS": "#1a7f37", "FAIL": "#cf222e", "SKIP": "#9a6700", "ERROR": "#8250df"}
+COLORS = {"PASS": "#1a7f37", "FAIL": "#cf222e", "SKIP": "#9a6700", "ERROR": "#8250df", "WARN": "#bc4c00"}
 SERIES = ["#0969da", "#cf222e", "#1a7f37", "#8250df"]
 
 CSS = """

@@ -15,7 +15,8 @@ from rich.table import Table
 
 from ggufcheck.results import Result, StageReport, Status
 
-STYLE = {Status.PASS: "green", Status.FAIL: "bold red", Status.SKIP: "yellow", Status.ERROR: "bold magenta"}
+STYLE = {Status.PASS: "green", Status.FAIL: "bold red", Status.SKIP: "yellow", Status.ERROR: "bold magenta",
+         Status.WARN: "bold yellow"}
 MAX_PASS_ROWS_PER_CHECK = 6
 
 
