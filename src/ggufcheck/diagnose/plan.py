@@ -5,6 +5,8 @@ Each stage removes one variable before the next looks further up the stack:
 1. ``environment`` + ``kernels``: the interpreter, its packages and GPU kernels (only when
    a Python path or a GPU is given): nothing after this can be trusted on a broken kernel;
 2. ``file``: the GGUF itself: container, metadata, tensor mapping, dequantization health;
+   ``template``: its chat template and special tokens, and the tokens the engine feeds for a
+   chat request (a chat can be garbage with every logit right);
 3. ``sharding``: with ``--tp N``, the shard plan, per-rank kv_b and sharded == unsharded;
 4. ``weights``: the parameters the engine actually holds (per rank), when it exposes them;
 5. ``layers``: per-layer comparison with the reference, then inside the first diverging
@@ -68,6 +70,8 @@ PLAN: tuple[Stage, ...] = (
           "no --python or --device given", "environment"),
     Stage("file", "the GGUF file, its metadata and tensor mapping", "ggufcheck.checks.file", lambda s: None,
           "gguf-file"),
+    Stage("template", "the chat template and special tokens", "ggufcheck.checks.template", lambda s: None,
+          "chat-template"),
     Stage("sharding", "tensor-parallel splitting", "ggufcheck.checks.sharding",
           lambda s: None if s.options.tp else "no --tp given", "sharding"),
     Stage("weights", "the engine's loaded parameters", "ggufcheck.checks.weights", _needs_engine, "weights"),

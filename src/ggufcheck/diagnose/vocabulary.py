@@ -27,6 +27,9 @@ COMPONENTS: tuple[Component, ...] = (
               "re-download or re-convert the file; compare its size and hash with the source"),
     Component("metadata", "architecture hyper-parameters read from the GGUF metadata",
               "compare the named key with the original config.json; re-convert with a current converter"),
+    Component("chat-template", "the chat template, BOS / EOS / end-of-turn tokens, and how the engine renders a chat",
+              "render tokenizer.chat_template and tokenize it as the engine does; compare the tokens with the "
+              "original model's apply_chat_template"),
     Component("mapping", "which GGUF tensor becomes which model parameter, and its shape",
               "check the loader's name map for the named tensor; look for silently skipped tensors"),
     Component("dequant", "quantized bytes -> values (block scales, the dequantization kernel)",

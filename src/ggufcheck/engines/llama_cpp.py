@@ -320,6 +320,34 @@ class LlamaCppEngine(Engine):
         steps = TokenLogprobs(seq, self.vocab_size, table, present=present)
         return Generation(np.array(prompt), np.array(generated), steps)
 
+    def chat_tokens(self, messages: Sequence[dict]) -> list[int]:
+        """The tokens llama-cpp-python's chat completion feeds the model for ``messages``: its
+        own handler (the file's template, or the format it guessed from it) runs as for a
+        request, and its prompt is captured where it reaches ``create_completion``, before any
+        decoding."""
+        class Captured(Exception):
+            pass
+
+        seen: dict = {}
+
+        def capture(prompt, *args, **kwargs):
+            seen["prompt"] = prompt
+            raise Captured
+
+        self._llm.create_completion = capture  # an instance attribute: the method is untouched
+        try:
+            self._llm.create_chat_completion(messages=[dict(m) for m in messages], max_tokens=1)
+        except Captured:
+            pass
+        finally:
+            del self._llm.create_completion
+        prompt = seen.get("prompt")
+        if prompt is None:
+            raise Unsupported("llama-cpp-python's chat handler did not reach create_completion")
+        if isinstance(prompt, str):  # a handler that passes text: the completion tokenizes it as below
+            prompt = self._llm.tokenize(prompt.encode("utf-8"), add_bos=True, special=True)
+        return [int(t) for t in prompt]
+
     # ---- per-layer tensors through cb_eval ---------------------------------------------
     def layer_outputs(self, tokens: Sequence[int], kinds: Sequence[str] = LAYER_KINDS) -> LayerTrace:
         """Capture named graph nodes of one prefill through ``cb_eval`` on a fresh context."""
