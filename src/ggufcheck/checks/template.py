@@ -186,17 +186,21 @@ def _engine(engine, want: list[int], tokenizer) -> Result:
                                                              "first_difference": i})
 
 
-def run(session: "Session") -> list[StageReport]:
-    """The template stage: the file's template, and the engine's rendering of it where it says."""
+def template_report(model, engine: Any = None) -> StageReport:
+    """The template stage's report for an open model (``inspect`` runs it without an engine)."""
     from ggufcheck.errors import GGUFCheckError
     from ggufcheck.tokenizer import load_tokenizer
 
     report = StageReport("template")
-    model = session.open_model()
     try:
         tokenizer = load_tokenizer(model)
     except GGUFCheckError as err:
         report.add(skipped("template.render", COMPONENT, f"no tokenizer for this file: {err.message}"))
-        return [report]
-    report.add(check_template(dict(model.metadata), tokenizer, session.engine() if session.has_engine else None))
-    return [report]
+        return report
+    report.add(check_template(dict(model.metadata), tokenizer, engine))
+    return report
+
+
+def run(session: "Session") -> list[StageReport]:
+    """The template stage: the file's template, and the engine's rendering of it where it says."""
+    return [template_report(session.open_model(), session.engine() if session.has_engine else None)]

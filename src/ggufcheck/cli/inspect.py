@@ -12,6 +12,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn, 
 from rich.table import Table
 
 from ggufcheck.checks.file import FileStageOptions, run_file_stage
+from ggufcheck.checks.template import template_report
 from ggufcheck.errors import ExitStatus, UsageError
 from ggufcheck.gguf.reader import open_gguf
 from ggufcheck.report.json import report_json, write_json
@@ -57,18 +58,20 @@ def run(args: argparse.Namespace) -> int:
                 model, FileStageOptions(health=options.health, tp=options.tp),
                 progress=lambda info: progress.advance(task, info.nbytes),
             )
+        template = template_report(model)  # the chat template and special tokens: file-level checks
     elapsed = time.perf_counter() - started
     stage.info["elapsed_s"] = elapsed
     render_stage(console, stage, verbose=options.verbose)
-    render_totals(console, [stage])
+    render_stage(console, template, verbose=options.verbose)
+    render_totals(console, [stage, template])
     scan = stage.info.get("health_scan")
     if scan and scan["mb_per_s"]:
         console.print(f"[dim]health scan: {scan['tensor_bytes'] / 1e6:,.0f} MB in {scan['seconds']:.1f} s "
                       f"({scan['mb_per_s']:,.0f} MB/s, kernel loading included)[/]")
     if options.json:
-        write_json(options.json, report_json("inspect", [stage], model=str(path)))
+        write_json(options.json, report_json("inspect", [stage, template], model=str(path)))
         console.print(f"JSON report: {options.json}")
-    return int(ExitStatus.FINDINGS if stage.failures else ExitStatus.HEALTHY)
+    return int(ExitStatus.FINDINGS if stage.failures or template.failures else ExitStatus.HEALTHY)
 
 
 def default_model() -> Path:
