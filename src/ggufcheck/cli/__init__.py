@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_usage(sys.stderr)
         print(f"ggufcheck: no command given. {START_HERE}", file=sys.stderr)
         return int(ExitStatus.USAGE)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]  # the command line, for the report header
     module = importlib.import_module(f"ggufcheck.cli.{args.command}")
     json_to_stdout = str(getattr(args, "json", None)) == "-"
     real_stdout = sys.stdout

@@ -12,6 +12,7 @@ from ggufcheck.diagnose.plan import DiagnoseOptions, Diagnosis, diagnose
 from ggufcheck.engines.spec import SPEC_HELP
 from ggufcheck.errors import ExitStatus, UsageError
 from ggufcheck.report.diagnosis import render_diagnosis
+from ggufcheck.report.header import run_header
 from ggufcheck.report.html import render_html, write_html
 from ggufcheck.report.json import report_json, write_json
 
@@ -142,19 +143,20 @@ def exit_status(diagnosis: Diagnosis) -> int:
     return int(ExitStatus.UNVERIFIED if verdict.unverified else ExitStatus.FINDINGS)
 
 
-def write_reports(diagnosis: Diagnosis, json_path: Path | None, html_path: Path | None, console: Console) -> None:
+def write_reports(diagnosis: Diagnosis, json_path: Path | None, html_path: Path | None, console: Console,
+                  header: dict[str, str] | None = None) -> None:
+    header = header or run_header(diagnosis)
     if json_path:
-        doc = report_json("diagnose", diagnosis.stages, model=str(diagnosis.options.model),
+        doc = report_json("diagnose", diagnosis.stages, run=header, model=str(diagnosis.options.model),
                           engine=diagnosis.engine, verdict=diagnosis.verdict.to_json(),
                           elapsed_s=diagnosis.elapsed_s, timings=diagnosis.timings,
                           resources=diagnosis.resources.to_json() if diagnosis.resources is not None else None)
         write_json(json_path, doc)
         console.print(f"JSON report: {json_path}")
     if html_path:
-        summary = {"model": str(diagnosis.options.model), "engine": (diagnosis.engine or {}).get("name"),
-                   "elapsed (s)": f"{diagnosis.elapsed_s:.1f}"}
         write_html(html_path, render_html(f"ggufcheck diagnose {diagnosis.options.model.name}",
-                                          diagnosis.stages, diagnosis.verdict, summary))
+                                          diagnosis.stages, diagnosis.verdict,
+                                          {**header, "elapsed (s)": f"{diagnosis.elapsed_s:.1f}"}))
         console.print(f"HTML report: {html_path}")
 
 
@@ -179,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
         with Console(stderr=True).status("diagnosing") as status:
             diagnosis = diagnose(options, progress=lambda msg: status.update(
                 f"{msg} [dim]({time.perf_counter() - started:.0f} s)[/]"), on_plan=show_plan)
-    render_diagnosis(console, diagnosis, verbose=args.verbose)
-    write_reports(diagnosis, args.json, args.html, console)
+    header = run_header(diagnosis, getattr(args, "argv", None))
+    render_diagnosis(console, diagnosis, verbose=args.verbose, header=header)
+    write_reports(diagnosis, args.json, args.html, console, header)
     return exit_status(diagnosis)

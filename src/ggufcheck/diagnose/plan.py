@@ -64,6 +64,13 @@ def _needs_engine(session: Session) -> str | None:
     return None if session.has_engine else "no --engine given"
 
 
+# what each report of a stage that returns several eliminates (the served stage: three)
+PART_ELIMINATES = {
+    "sanity": "implausible served distributions: NaN, flat, input-blind, repetitive",
+    "logits": "the served distributions against the fp64 reference, over every prompt length",
+    "paths": "the execution paths: prefill vs decode, chunks, batches, determinism",
+}
+
 PLAN: tuple[Stage, ...] = (
     Stage("environment", "the interpreter, packages and GPU kernels", "ggufcheck.checks.environment",
           lambda s: None if (s.options.python or s.options.device is not None) else
@@ -129,7 +136,7 @@ def diagnose(options: DiagnoseOptions, progress: Progress | None = None, engine:
             reports = _run(stage, session)
             timings[stage.name] = time.perf_counter() - t0
             for r in reports:
-                r.info.setdefault("eliminates", stage.eliminates)
+                r.info.setdefault("eliminates", PART_ELIMINATES.get(r.stage, stage.eliminates))
             stages.extend(reports)
         described = None
         if session.has_engine:

@@ -333,6 +333,10 @@ class Engine(abc.ABC):
             "capabilities": [k for k in ("tokenize", "score", "generate", "batch", "chunked_prefill", "weights")
                              if getattr(caps, k)] + sorted(caps.layer_outputs),
         }
+        version = getattr(self, "version", None)
+        if version:
+            out["version"] = version
+        out["tp_size"] = caps.tp_size
         if caps.reference_options:  # the reference was built with the engine's documented semantics
             out["reference_adopts"] = dict(caps.reference_options)
         return out

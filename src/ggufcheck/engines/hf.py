@@ -80,6 +80,10 @@ class HFEngine(GGUFVocabTokenizer, Engine):
         self.device = next(module.parameters()).device
         self.vocab_size = int(module.config.vocab_size)
         self.name = name
+        import torch
+        import transformers
+
+        self.version = f"transformers {transformers.__version__}, torch {torch.__version__}"
         self._tokenizer = tokenizer
         self.capabilities = Capabilities(
             tokenize=tokenizer is not None, score=True, full_vocab=True, max_top_k=self.vocab_size, generate=True,

@@ -244,6 +244,7 @@ class LlamaCppEngine(Engine):
         self.n_batch = n_batch
         self.vocab_size = int(self._llm.n_vocab())
         self.name = f"llama-cpp ({Path(self.model_path).name}{', GPU' if self.on_gpu else ''})"
+        self.version = f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')}, library {library_dir(llama_cpp)}"
         params = self._llm.context_params
         self._arch = (self._llm.metadata or {}).get("general.architecture")
         self._node_kinds = node_kinds(self._arch)

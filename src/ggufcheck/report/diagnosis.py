@@ -20,7 +20,12 @@ from ggufcheck.results import Status
 MAX_FAILURES_SHOWN = 12
 
 
-def render_diagnosis(console: Console, diagnosis: Any, verbose: bool = False) -> None:
+def render_diagnosis(console: Console, diagnosis: Any, verbose: bool = False,
+                     header: dict[str, str] | None = None) -> None:
+    if header:  # what was tested, with which, when and where (report/header.py)
+        width = max(len(k) for k in header)
+        for key, value in header.items():
+            console.print(f"[bold]{key:<{width}}[/] {escape(value)}", highlight=False, soft_wrap=True)
     ladder = Table(title="diagnosis, in dependency order", title_justify="left", expand=True)
     ladder.add_column("stage", no_wrap=True)
     ladder.add_column("status", no_wrap=True)

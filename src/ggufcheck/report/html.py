@@ -203,6 +203,10 @@ def render_html(title: str, stages: list[StageReport], verdict: Any | None = Non
                 summary: dict[str, Any] | None = None) -> str:
     body = [f"<h1>{_esc(title)}</h1>",
             f'<p class="muted">ggufcheck {_esc(__version__)}</p>']
+    if summary:  # what was tested, with which, when and where: first, before any plot
+        rows = "".join(f"<tr><th>{_esc(k)}</th><td>{_esc(v)}</td></tr>" for k, v in summary.items()
+                       if not isinstance(v, (dict, list)))
+        body.append(f"<table>{rows}</table>")
     if verdict is not None:
         cls = "good" if verdict.healthy else ("unk" if verdict.component is None else "bad")
         head = "healthy" if verdict.healthy else (
@@ -219,10 +223,6 @@ def render_html(title: str, stages: list[StageReport], verdict: Any | None = Non
     plots = _plots(stages)
     if plots:
         body.append("<h2>Plots</h2>" + "".join(plots))
-    if summary:
-        rows = "".join(f"<tr><th>{_esc(k)}</th><td>{_esc(v)}</td></tr>" for k, v in summary.items()
-                       if not isinstance(v, (dict, list)))
-        body.append(f"<h2>Model</h2><table>{rows}</table>")
     body.append("<h2>Details</h2>")
     for stage in stages:
         shown = [(stage.stage, r) for r in stage.results if r.status != Status.PASS]
