@@ -306,3 +306,24 @@ def test_a_nan_engine_is_diagnosed_without_an_internal_error():
     assert "holds NaN or inf, the first layer that does" in residual.message
     finite = next(r for r in results if r.check == "sanity.finite")
     assert finite.failed and finite.stats["first"]["position"] == 0 and finite.stats["kinds"] == ["NaN"]
+
+
+def test_decode_faults_are_named_at_their_layer_and_block():
+    """The decode path traced layer by layer (Engine.decode_layer_outputs): a one-token kernel
+    wrong in the last layer's FFN is named there; a KV cache written wrong by the decode steps
+    is named at layer 0's attention, with the decode step."""
+    from ggufcheck.diagnose.plan import DiagnoseOptions, diagnose
+    from ggufcheck.testing.faults import fault_layer, make_faulty_engine
+    from ggufcheck.synthetic.tiny import build_tiny_gguf
+    import tempfile
+    from pathlib import Path
+
+    path = build_tiny_gguf("llama", Path(tempfile.mkdtemp()) / "dec.gguf", qtypes="F32", seed=1).path
+    for name, layer, block in (("decode-matvec-wrong", fault_layer("decode-matvec-wrong", path), "ffn"),
+                               ("kv-cache-corrupt-decode", 0, "attention")):
+        engine = make_faulty_engine(name, path)
+        d = diagnose(DiagnoseOptions(model=path, sanity=False, kernels=False, max_prompts=2), engine=engine)
+        engine.close()
+        v = d.verdict
+        assert (v.component, v.layer) == ("decode", layer), v.message
+        assert v.evidence["stats"]["localized"]["block"] == block and "decode step" in v.message, v.message

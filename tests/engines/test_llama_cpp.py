@@ -116,6 +116,31 @@ def test_where_paths_part_names_no_layer_for_llama_cpp_chunks_on_cpu(llama_engin
     assert "no layer's residual differs" in found["text"]
 
 
+def test_the_decode_trace_is_llama_cpp_s_decode_and_names_no_layer_when_healthy(llama_engine, prompts):
+    """decode_layer_outputs feeds the prompt in one llama_decode and every later token alone:
+    its prompt rows are the prompt's own prefill, bit for bit; its later rows are the one-token
+    path (another kernel, its own rounding), within the class allowance of the prefill; no
+    layer is named on this healthy engine."""
+    import numpy as np
+
+    from ggufcheck.checks.path_layers import allowance_for, localize_decode
+
+    tokens = llama_engine.tokenize(prompts[1])
+    p = len(tokens) // 2
+    decoded = llama_engine.decode_layer_outputs(tokens, p, ("residual",)).tensors
+    prompt_only = llama_engine.layer_outputs(tokens[:p], ("residual",)).tensors
+    whole = llama_engine.layer_outputs(tokens, ("residual",)).tensors
+    for key, rows in decoded.items():
+        assert rows.shape == whole[key].shape
+        assert np.array_equal(rows[:p], prompt_only[key])
+    last = max(i for _, i in decoded)
+    moved = np.linalg.norm(decoded[("residual", last)][p:] - whole[("residual", last)][p:], axis=1)
+    assert 0 < moved.max()  # the one-token kernels round otherwise: the trace really took that path
+    found = localize_decode(llama_engine, tokens, p, len(tokens) - 1)
+    assert found["layer"] is None and "the one-token decode" in found["text"], found["text"]
+    assert max(r["max"] for r in found["per_layer"]) < allowance_for(llama_engine.capabilities.activation_dtype)
+
+
 @pytest.mark.parametrize("arch", ["deepseek2", "qwen3moe", "glm4moe", "gpt-oss"])
 def test_llama_cpp_expert_choices_are_read_and_match_the_reference(tiny_gguf, arch):
     """The experts llama.cpp chose, read from ffn_moe_argsort (ffn_moe_topk is a view the eval

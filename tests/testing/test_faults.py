@@ -30,7 +30,7 @@ def deepseek2(tiny_converted):
 
 
 def test_registry_is_consistent():
-    assert len(FAULTS) == 22
+    assert len(FAULTS) == 23
     for name, fault in FAULTS.items():
         assert fault.name == name
         assert fault.component in ORDER, name

@@ -282,8 +282,19 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
                     decode = decode.amended("; " + first["text"], stats={"first_divergence": first})
             if decode.failed and prefill.failed:
                 decode = decode.amended(component="output")  # both paths wrong: not a decode-path fault
+            # where the decode parts from the prefill, layer by layer (the paths stage traced it)
+            traced = next((r for r in paths_stage.results if r.check == "paths.prefill_vs_decode" and r.failed
+                           and r.stats.get("localized", {}).get("layer") is not None), None)
+
+            def at_layer(result: Result) -> Result:
+                if traced is None or not result.failed or result.component != "decode":
+                    return result
+                return result.amended("; " + traced.stats["localized"]["text"], layer=traced.layer,
+                                      stats={"localized": traced.stats["localized"]})
+
+            decode = at_layer(decode)
             logits_stage.add(decode)
-            blame = _which_path(prefill, decode)
+            blame = at_layer(_which_path(prefill, decode))
             if blame.failed and blame.component == "prefill" and sweep is not None and sweep.failed \
                     and sweep.stats.get("threshold"):  # the length where the prefill goes wrong, and its owner
                 blame = blame.amended("; " + sweep.message, component=sweep.component)

@@ -1,4 +1,10 @@
-"""Where a failing chunked prefill parts from one prefill, and which of the two is wrong.
+"""Where a failing chunked prefill (or decode) parts from one prefill, and which is wrong.
+
+The same comparison serves the decode path (:func:`localize_decode`): the prompt prefilled,
+then one token per step (:meth:`Engine.decode_layer_outputs`: the matrix-vector kernels and
+the cache the decode steps write) against the prefill of the same tokens; a failing
+``paths.prefill_vs_decode`` and the decode verdict name the layer, the block and the decode
+step where they part.
 
 ``paths.chunked_prefill`` runs one engine two ways and can only say that they differ. When it
 fails, this looks inside, with two computations the check did not use:
@@ -121,10 +127,40 @@ def traces(engine: Engine, tokens: Sequence[int], chunk_size: int) -> tuple[dict
     return whole, chunked
 
 
+def decode_traces(engine: Engine, tokens: Sequence[int], prompt_length: int) -> tuple[dict, dict] | None:
+    """(one-prefill, decode) layer tensors of ``tokens``, or None when the engine traces no decode."""
+    try:
+        whole = engine.layer_outputs(list(tokens), KINDS).tensors
+        decoded = engine.decode_layer_outputs(list(tokens), prompt_length, KINDS).tensors
+    except Unsupported:
+        return None
+    return whole, decoded
+
+
+def localize_decode(engine: Engine, tokens: Sequence[int], prompt_length: int, position: int) -> dict | None:
+    """Where a decode of ``tokens`` (the first ``prompt_length`` prefilled, then one token per
+    step) first leaves the prefill of the same tokens, layer by layer, up to ``position``; None
+    when the engine traces no decode steps."""
+    tokens = list(tokens)[:position + 1]
+    traced = decode_traces(engine, tokens, prompt_length)
+    if traced is None:
+        return None
+
+    def place(t: int) -> str:
+        return (f"decode step {t - prompt_length + 1} (position {t}; the prompt is {prompt_length} tokens)"
+                if t >= prompt_length else f"inside the prompt's prefill (position {t})")
+
+    return where_paths_part(engine, tokens, 1, position, allowance_for(engine.capabilities.activation_dtype),
+                            traced, path="the one-token decode", place=place,
+                            reads="it reads the KV cache the decode steps wrote")
+
+
 def where_paths_part(engine: Engine, tokens: Sequence[int], chunk_size: int, position: int,
-                     allowance: float, traced: tuple[dict, dict] | None = None) -> dict | None:
-    """The first layer (and block) where the chunked trace leaves the one-prefill trace, or
-    None when the engine traces no chunked prefill."""
+                     allowance: float, traced: tuple[dict, dict] | None = None, *,
+                     path: str = "the chunked prefill", place: Callable[[int], str] | None = None,
+                     reads: str = "it reads the KV cache the earlier chunks wrote") -> dict | None:
+    """The first layer (and block) where the second trace (``path``: a chunked prefill, or a
+    decode) leaves the one-prefill trace, or None when the engine traces no such path."""
     # a causal model's rows up to ``position`` do not depend on later tokens: trace no further
     if traced is not None and not all(len(v) > position for v in traced[0].values()):
         traced = None  # a trace taken for other rows, too short for this one
@@ -145,9 +181,10 @@ def where_paths_part(engine: Engine, tokens: Sequence[int], chunk_size: int, pos
     found = {"allowance": allowance, "per_layer": rows, "chunk_size": chunk_size}
     if first is None:
         top = max(rows, key=lambda r: r["max"])
-        found["text"] = (f"traced layer by layer, no layer's residual differs between the two paths by more than "
-                         f"the class allowance {allowance:.3g} up to position {position} (largest {top['max']:.3g}, "
-                         f"layer {top['layer']}; {rows[-1]['at_position']:.3g} at the last layer there): the "
+        found["text"] = (f"traced layer by layer, no layer's residual differs between {path} and one prefill "
+                         f"by more than the class allowance {allowance:.3g} up to position {position} (largest "
+                         f"{top['max']:.3g}, layer {top['layer']}; {rows[-1]['at_position']:.3g} at the last layer "
+                         "there): the "
                          "logits differ more than the layers do (the output norm and head, or a position where "
                          "small differences decide)")
         found["layer"], found["block"] = None, "output"
@@ -159,7 +196,7 @@ def where_paths_part(engine: Engine, tokens: Sequence[int], chunk_size: int, pos
         gap = None if scores_w is None or scores_c is None else float(min(
             selection_gap(scores_w[t:t + 1], ids_w.shape[-1])[0], selection_gap(scores_c[t:t + 1], ids_c.shape[-1])[0]))
         found.update(layer=i, block="routing", position=t, routing_gap=gap)
-        found["text"] = (f"traced layer by layer, the chunked prefill first leaves the one prefill at layer {i}, where "
+        found["text"] = (f"traced layer by layer, {path} first leaves the one prefill at layer {i}, where "
                          f"the two paths route position {t} to different experts ({sorted(ids_w[t].tolist())} vs "
                          f"{sorted(ids_c[t].tolist())}"
                          + (f"; the engine's own selection scores there are {gap:.3g} apart at the top-k boundary)"
@@ -188,9 +225,10 @@ def where_paths_part(engine: Engine, tokens: Sequence[int], chunk_size: int, pos
         block = "layer"
     found.update(layer=i, block=block, position=t)
     offset = t % chunk_size
-    place = (f"{'the first token' if offset == 0 else f'token {offset + 1}'} of chunk {t // chunk_size + 1} "
-             f"(chunks of {chunk_size})")
-    what = {"attention": "in the attention (it reads the KV cache the earlier chunks wrote)",
+    where = place(t) if place is not None else (
+        f"{'the first token' if offset == 0 else f'token {offset + 1}'} of chunk {t // chunk_size + 1} "
+        f"(chunks of {chunk_size})")
+    what = {"attention": f"in the attention ({reads})",
             "ffn": "in the FFN / MoE block (the attention output still agrees)",
             "layer": "inside it (the engine exposes no block outputs)"}[block]
     if block == "ffn" and ids_w is not None and ids_c is not None and scores_w is not None and scores_c is not None:
@@ -199,9 +237,9 @@ def where_paths_part(engine: Engine, tokens: Sequence[int], chunk_size: int, pos
         apart = float(np.abs(np.asarray(scores_c[t], np.float64) - np.asarray(scores_w[t], np.float64)).max())
         found["router_scores_difference"] = apart
         what += f", with the same experts chosen and their router scores up to {apart:.3g} apart"
-    found["text"] = (f"traced layer by layer, the chunked prefill first leaves the one prefill at layer {i}, "
+    found["text"] = (f"traced layer by layer, {path} first leaves the one prefill at layer {i}, "
                      f"{what}: residual difference {first['max']:.3g} > {allowance:.3g} at position {t}, "
-                     f"{place}")
+                     f"{where}")
     return found
 
 

@@ -299,7 +299,27 @@ def check_prefill_vs_decode(engine: Engine, prompts: Sequence[Sequence[int]], ba
                            options.tolerance, landmarks(options))
     result = _each_within_reference(result, pairs, reference_score, baseline, options.tolerance,
                                     ("the prefill", "the decode"), reference_baseline)
+    if result.failed and "nonfinite_positions" not in result.stats:
+        result = _decode_layers(engine, result, generations)
     return result.amended(note), generations
+
+
+def _decode_layers(engine: Engine, result: Result, generations: Sequence[Generation]) -> Result:
+    """A failing prefill / decode pair traced layer by layer: the decode of the sequence where
+    the divergence starts (its first position, else the worst) against its prefill."""
+    from ggufcheck.checks.path_layers import localize_decode
+
+    at = result.stats.get("first_divergence") or result.worst or {}
+    seq, pos = at.get("sequence"), at.get("position")
+    if seq is None or pos is None or not 0 <= seq < len(generations):
+        return result
+    gen = generations[seq]
+    found = localize_decode(engine, [int(t) for t in gen.sequence], len(gen.prompt), int(pos))
+    if found is None:
+        return result
+    layer = found.get("layer")
+    return result.amended("; " + found["text"], stats={"localized": found},
+                          layer=layer if layer is not None else result.layer)
 
 
 def check_batch_invariance(engine: Engine, prompts: Sequence[Sequence[int]], singles: Sequence[TokenLogprobs],

@@ -305,6 +305,14 @@ class Engine(abc.ABC):
         prefill parts from one prefill (checks.path_layers)."""
         raise Unsupported(f"{self.name} traces no chunked prefill")
 
+    def decode_layer_outputs(self, tokens: Sequence[int], prompt_length: int,
+                             kinds: Sequence[str] = LAYER_KINDS) -> LayerTrace:
+        """:meth:`layer_outputs` of ``tokens`` fed as a decode feeds them: the first
+        ``prompt_length`` in one prefill, then one token per step through the KV cache (the
+        matrix-vector kernels and the cache the decode steps write): where inside the model a
+        decode parts from the prefill of the same sequence (checks.path_layers)."""
+        raise Unsupported(f"{self.name} traces no decode steps")
+
     def weight(self, hf_name: str, *, rank: int = 0) -> np.ndarray:
         """The weight the engine actually loaded under ``hf_name`` on TP rank ``rank``."""
         raise Unsupported(self.capabilities.why_not("weights"))

@@ -360,9 +360,20 @@ class LlamaCppEngine(Engine):
         tokens, as :meth:`score_chunked` feeds it."""
         if not 1 <= chunk_size <= self.n_batch:
             raise Unsupported(f"chunk size {chunk_size} outside 1..n_batch={self.n_batch}")
-        return self._trace([int(t) for t in tokens], kinds, int(chunk_size))
+        tokens = [int(t) for t in tokens]
+        return self._trace(tokens, kinds, [int(chunk_size)] * -(-len(tokens) // int(chunk_size)))
 
-    def _trace(self, tokens: list[int], kinds: Sequence[str], chunk_size: int | None) -> LayerTrace:
+    def decode_layer_outputs(self, tokens: Sequence[int], prompt_length: int,
+                             kinds: Sequence[str] = LAYER_KINDS) -> LayerTrace:
+        """The same nodes with the prompt in one ``llama_decode`` and every later token in one
+        of its own, as :meth:`generate` feeds them."""
+        tokens = [int(t) for t in tokens]
+        prompt_length = max(1, min(int(prompt_length), len(tokens)))
+        return self._trace(tokens, kinds, [prompt_length] + [1] * (len(tokens) - prompt_length))
+
+    def _trace(self, tokens: list[int], kinds: Sequence[str], pieces: list[int] | None) -> LayerTrace:
+        """The named nodes of ``tokens`` fed as one ``llama_decode`` per piece (``pieces``: their
+        sizes; None: one prefill)."""
         lib = self._lib
         self._check_length(len(tokens))
         node_kinds_ = self._node_kinds
@@ -420,12 +431,13 @@ class LlamaCppEngine(Engine):
         ctx = lib.llama_init_from_model(self._llm._model.model, params)
         if not ctx:
             raise Unsupported("llama.cpp refused a second context for the trace")
-        step = chunk_size or len(tokens)
+        sizes = pieces or [len(tokens)]
         try:
-            batch = lib.llama_batch_init(step, 0, 1)
+            batch = lib.llama_batch_init(max(sizes), 0, 1)
             try:
-                for start in range(0, len(tokens), step):  # one llama_decode per chunk
-                    piece = tokens[start:start + step]
+                start = 0
+                for size in sizes:  # one llama_decode per piece
+                    piece = tokens[start:start + size]
                     batch.n_tokens = len(piece)
                     for j, tok in enumerate(piece):
                         batch.token[j] = tok
@@ -436,6 +448,7 @@ class LlamaCppEngine(Engine):
                     seen.clear()
                     if lib.llama_decode(ctx, batch) != 0:
                         raise Unsupported("llama_decode failed during the layer trace")
+                    start += size
             finally:
                 lib.llama_batch_free(batch)
         finally:

@@ -174,12 +174,27 @@ class ReferenceEngine(GGUFVocabTokenizer, Engine):
         """The residual stream and block outputs with the prompt run in chunks through the KV
         cache (as :meth:`score_chunked` runs it)."""
         tokens = [int(t) for t in tokens]
-        cache = self._chunk_cache()
+        return self._traced_pieces(tokens, range(0, len(tokens), chunk_size), chunk_size, self._chunk_cache(), kinds)
+
+    def decode_layer_outputs(self, tokens: Sequence[int], prompt_length: int,
+                             kinds: Sequence[str] = LAYER_KINDS) -> LayerTrace:
+        """The prompt in one prefill, then one token per step through the cache ``generate``
+        decodes with."""
+        tokens = [int(t) for t in tokens]
+        prompt_length = max(1, min(int(prompt_length), len(tokens)))
+        starts = [0, *range(prompt_length, len(tokens))]
+        sizes = [prompt_length] + [1] * (len(tokens) - prompt_length)
+        return self._traced_pieces(tokens, starts, sizes, self._decode_cache(prompt_length), kinds)
+
+    def _traced_pieces(self, tokens: list[int], starts, sizes, cache, kinds: Sequence[str]) -> LayerTrace:
+        """The layer tensors of ``tokens`` run piece by piece (``starts``; ``sizes``: one size
+        or one per piece) through ``cache``, concatenated over the tokens."""
         fields = {"residual": "hidden", "after_attention": "after_attn", "attention": "attn_out", "ffn": "ffn_out"}
         parts: dict[tuple[str, int], list[np.ndarray]] = {}
+        sizes = list(sizes) if not isinstance(sizes, int) else [sizes] * len(list(starts))
         with self._torch.no_grad():
-            for start in range(0, len(tokens), chunk_size):
-                _, layers, _ = self.model.forward(tokens[start:start + chunk_size], cache, keep_layers=True)
+            for start, size in zip(starts, sizes):
+                _, layers, _ = self.model.forward(tokens[start:start + size], cache, keep_layers=True)
                 for i, layer in enumerate(layers):
                     for kind in kinds:
                         if kind in fields:

@@ -100,7 +100,9 @@ class ModelPatch:
     - ``tensor_hook(name, tensor) -> tensor``: applied when a tensor is dequantized;
     - ``decode_corrupt_after``: corrupt the KV cache entries written by decode step >= N;
     - ``chunk_context_lost``: in a chunked prefill, the layers listed (all when empty) read the
-      cache of earlier chunks as zeros (a context chunk's attention lost in the merge).
+      cache of earlier chunks as zeros (a context chunk's attention lost in the merge);
+    - ``decode_layer_weights(cfg, i, w) -> w``: layer i's weights on one-token steps after a
+      prefill only (a decode-path kernel fault).
     """
 
     config: dict[str, Any] = field(default_factory=dict)
@@ -110,6 +112,9 @@ class ModelPatch:
     decode_corrupt_after: int | None = None
     chunk_context_lost: tuple[int, ...] | None = None
     tp: int = 1
+    # ``decode_layer_weights(cfg, i, w) -> w``: the weights a one-token step after a prefill
+    # computes with (a matrix-vector kernel that is wrong where the batched one is right)
+    decode_layer_weights: Callable[[ReferenceConfig, int, Weights], Weights] | None = None
 
 
 @dataclass(frozen=True)
@@ -170,6 +175,8 @@ class FaultyReferenceModel(ReferenceModel):
     def _layer(self, i: int, h: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache, shared: dict,
                release: bool = True) -> LayerOutput:
         w = self.weights.layer(i)
+        if self.patch.decode_layer_weights is not None and h.shape[-2] == 1 and int(q_pos.reshape(-1)[0]) > 0:
+            w = self.patch.decode_layer_weights(self.layer_cfg(i), i, w)  # a one-token step after a prefill
         return self.family.forward_layer(self.layer_cfg(i), i, w, h, self.rope(q_pos, i), q_pos, k_pos,
                                          cache.layer(i), shared)
 
@@ -420,6 +427,23 @@ def _build_expert_gate_up_swapped(cfg: ReferenceConfig, layer: int | None = None
     return ModelPatch(layer_weights=patch)
 
 
+def _build_decode_matvec(cfg: ReferenceConfig, layer: int | None = None, **_: Any) -> ModelPatch:
+    """One layer's FFN down projection wrong on one-token steps only: the second half of each
+    32-value block of its input negated (a matrix-vector kernel bug; the batched path is right)."""
+    target = _last(cfg, layer)
+
+    def patch(c: ReferenceConfig, i: int, w: Weights) -> Weights:
+        name = next((n for n in ("ffn_down.weight", "ffn_down_exps.weight") if n in w), None)
+        if i != target or name is None:
+            return w
+        t = w[name].clone()
+        blocks = t.reshape(*t.shape[:-1], -1, 32)
+        blocks[..., 16:] = -blocks[..., 16:]
+        return {**w, name: blocks.reshape(t.shape)}
+
+    return ModelPatch(decode_layer_weights=patch)
+
+
 def _build_scale_twice(cfg: ReferenceConfig, layer: int | None = None, **_: Any) -> ModelPatch:
     return ModelPatch(config={"expert_weights_scale": cfg.expert_weights_scale ** 2})
 
@@ -554,7 +578,7 @@ def _patch_builders() -> dict[str, Callable[..., ModelPatch]]:
         "block-scale-corrupted": _build_block_scale, "allreduce-doubled": _build_allreduce_doubled,
         "gating-swapped": _build_gating_swapped, "sliding-window-ignored": _build_window_ignored,
         "swa-rope-base-wrong": _build_swa_rope_base, "attention-sinks-ignored": _build_sinks_ignored,
-        "chunk-context-lost": _build_chunk_context,
+        "chunk-context-lost": _build_chunk_context, "decode-matvec-wrong": _build_decode_matvec,
     }
 
 
@@ -566,7 +590,7 @@ _FIRST_LAYER: dict[str, Callable[[ReferenceConfig, int | None], int | None]] = {
     "indexer-ignored": _zero, "kv-cache-corrupt-decode": _none, "flat-output": _none,
     "qk-permutation-missing": _zero, "block-scale-corrupted": _last, "allreduce-doubled": _last,
     "gating-swapped": _first_moe, "sliding-window-ignored": _zero, "swa-rope-base-wrong": _zero,
-    "attention-sinks-ignored": _zero, "chunk-context-lost": _none,
+    "attention-sinks-ignored": _zero, "chunk-context-lost": _none, "decode-matvec-wrong": _last,
 }
 
 
@@ -613,6 +637,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _f("chunk-context-lost", "prefill", ALL_ARCHS, "paths",
        "a chunked prefill reads the earlier chunks' KV cache as zeros (`layer=` one layer, default all); one "
        "prefill and decode correct (catalog #7-#9: a context chunk's attention lost in the merge)"),
+    _f("decode-matvec-wrong", "decode", ALL_ARCHS, "paths",
+       "one layer's FFN down projection (default the last layer's) wrong on one-token decode steps only (a "
+       "matrix-vector kernel fault: half of each 32-value block negated); prefill and chunks right",
+       per_layer=True),
     _f("flat-output", "output", ALL_ARCHS, "logits",
        "near-uniform served distributions over healthy layers (engines.faults.FlatDistribution)"),
     _f("qk-permutation-missing", "rope", frozenset({"llama"}), "weights",
