@@ -28,7 +28,8 @@ EXIT_STATUS_TEXT = (
     "Exit status: 0 healthy, 1 a check failed (the verdict names it), 2 usage error or "
     "unreadable/malformed input, 3 engine unreachable, 4 an internal ggufcheck error, 5 not "
     "verified (nothing failed, but neither the layers nor the logits stage could compare the "
-    "deployment with a reference), 130 interrupted (Ctrl-C)."
+    "deployment with a reference), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM; engines and their "
+    "worker processes are closed first)."
 )
 
 

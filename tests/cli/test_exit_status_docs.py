@@ -114,3 +114,33 @@ def test_json_dash_writes_the_json_alone_to_stdout(tiny_gguf, capsys):
     assert doc["command"] == "inspect" and doc["stages"]
     assert "inspect" in err.lower() or "file" in err.lower()
     assert not os.path.exists("-")
+
+
+def test_sigterm_unwinds_like_ctrl_c(tmp_path):
+    """SIGTERM while waiting on an engine (a server that accepts and never answers): exit 143,
+    one line saying so, no traceback (engines closed on the way)."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from ggufcheck.synthetic.tiny import build_tiny_gguf
+
+    model = build_tiny_gguf("llama", tmp_path / "t.gguf", seed=1).path
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # connections are queued and never answered
+    port = silent.getsockname()[1]
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "ggufcheck", "diagnose", str(model), "--engine",
+                                 f"http://127.0.0.1:{port}", "--no-health", "--timeout", "300"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(5)  # imports done; waiting on the server
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        silent.close()
+    assert proc.returncode == 143, err[-1500:]
+    assert "terminated (SIGTERM)" in err and "Traceback" not in err

@@ -521,3 +521,28 @@ def test_deepseek_mla_rope_on_vllm_cpu_real_defect_then_vllms_own_torch_rope_is_
         assert any("forward_native" in note for note in e.describe()["cpu_compat"]), e.describe()
     assert d.verdict.healthy, _fails(d)
     assert {"weights", "layers", "logits", "paths"} <= _stages_ran(d)
+
+
+def test_sigterm_ends_a_run_with_its_vllm_worker_reaped(vllm_python, tiny):
+    """`kill` (SIGTERM) on a diagnose whose vLLM worker is up: the run unwinds like Ctrl-C,
+    exits 143 with one line, and no worker process outlives it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    assert not _workers_alive()
+    proc = subprocess.Popen([sys.executable, "-m", "ggufcheck", "diagnose", str(tiny[("qwen2", "F32")]),
+                             "--engine", f"vllm:python={vllm_python}", "--no-health", "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while not _workers_alive() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.5)
+    assert proc.poll() is None and _workers_alive(), "the vLLM worker never started"
+    time.sleep(2)  # mid-start or mid-request: the worker is busy
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err[-2000:]
+    assert "terminated (SIGTERM)" in err and "Traceback" not in err
+    time.sleep(1)
+    assert not _workers_alive()

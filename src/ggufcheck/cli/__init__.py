@@ -14,7 +14,7 @@ import os
 import sys
 import textwrap
 
-from ggufcheck import __version__
+from ggufcheck import __version__, interrupts
 from ggufcheck.errors import EXIT_STATUS_TEXT, ExitStatus, GGUFCheckError
 
 START_HERE = ("New here? `ggufcheck demo` shows the whole method on a tiny model (offline); then "
@@ -102,15 +102,17 @@ def main(argv: list[str] | None = None) -> int:
             from ggufcheck.report import json as report_json
 
             report_json.STDOUT, sys.stdout = real_stdout, sys.stderr
-        return int(module.run(args))
+        with interrupts.handled():  # SIGTERM / SIGHUP unwind like Ctrl-C: engines and workers closed
+            return int(module.run(args))
     except GGUFCheckError as err:
         print(f"ggufcheck {args.command}: error: {err.message}", file=sys.stderr)
         if err.tip:
             print(f"tip: {err.tip}", file=sys.stderr)
         return int(err.exit_status)
-    except KeyboardInterrupt:
-        print("ggufcheck: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:
+        how = "interrupted" if interrupts.name(err) == "SIGINT" else f"terminated ({interrupts.name(err)})"
+        print(f"ggufcheck: {how}; engines closed", file=sys.stderr)
+        return interrupts.exit_status(err)
     except Exception as err:  # a defect in ggufcheck: one line, the traceback only on request
         if os.environ.get("GGUFCHECK_DEBUG"):
             raise

@@ -234,9 +234,11 @@ class _Worker:
         return reply, out
 
     def close(self) -> None:
+        from ggufcheck.interrupts import interrupted
+
         if self.conn is not None:
             try:
-                if self.proc.poll() is None:
+                if self.proc.poll() is None and not interrupted():  # a signal: kill at once, not after its request
                     self.conn.send_bytes(json.dumps({"op": "close"}).encode())
                     if self.conn.poll(5):
                         self.conn.recv_bytes()
