@@ -16,11 +16,29 @@ def tiny_llama(tmp_path_factory):
     return build_tiny_gguf("llama", tmp_path_factory.mktemp("m") / "tiny-llama.gguf", qtypes="Q8_0").path
 
 
-def test_demo_names_both_verdicts(capsys):
-    assert main(["demo"]) == 0
+def test_demo_names_both_verdicts(capsys, tmp_path):
+    assert main(["demo", "--json", str(tmp_path / "demo.json"), "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "healthy engine -> healthy" in out
     assert "faulty engine -> mla-kv-b" in out
+    doc = json.loads((tmp_path / "demo.json").read_text())
+    assert doc["command"] == "demo" and doc["ok"] is True
+    assert [r["verdict"]["healthy"] for r in doc["runs"]] == [True, False]
+    assert doc["runs"][1]["verdict"]["component"] == "mla-kv-b"
+
+
+def test_reference_and_export_write_json_and_take_quiet(tiny_llama, tmp_path, capsys):
+    """The same conventions on every command: --json (file or "-") and --quiet."""
+    assert main(["reference", str(tiny_llama), "--tokens", "1,2,3", "--top", "2", "--json", "-", "--quiet"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["command"] == "reference" and doc["tokens"] == [1, 2, 3]
+    assert [len(p["top"]) for p in doc["predictions"]] == [2, 2, 2] and len(doc["layers"]) == 2
+    assert main(["export", str(tiny_llama), str(tmp_path / "hf"), "--json", str(tmp_path / "e.json"), "-q"]) == 0
+    assert json.loads((tmp_path / "e.json").read_text())["export"]["model_type"] == "llama"
+    from ggufcheck.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    assert all(any("--quiet" in a.option_strings for a in p._actions) for p in sub.choices.values())
 
 
 def test_healthy_engine_exit_0_with_reports(tiny_llama, tmp_path, capsys):

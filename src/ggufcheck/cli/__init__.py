@@ -47,7 +47,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(f"ggufcheck.cli.{name}").add_parser(sub)
+    for command in sub.choices.values():  # one convention for every command
+        if not any("--quiet" in a.option_strings for a in command._actions):
+            command.add_argument("-q", "--quiet", action="store_true", help="no progress display while running")
     return parser
+
+
+def status(console, args, text: str):
+    """``console.status(text)``, or a silent stand-in under ``--quiet`` (it takes ``update``)."""
+    if getattr(args, "quiet", False):
+        from types import SimpleNamespace
+        from contextlib import nullcontext
+
+        return nullcontext(SimpleNamespace(update=lambda *_a, **_k: None))
+    return console.status(text)
 
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.rule import Rule
 
+from ggufcheck.cli import status
 from ggufcheck.diagnose.plan import DiagnoseOptions, diagnose
 from ggufcheck.errors import ExitStatus
 from ggufcheck.report.diagnosis import render_diagnosis, render_verdict
@@ -38,6 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--keep", type=Path, metavar="DIR", help="keep the tiny model and reports in DIR")
     p.add_argument("-v", "--verbose", action="store_true", help="print both full diagnoses")
+    p.add_argument("--json", type=Path, help='write both diagnoses to this JSON file ("-": standard output)')
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,11 +68,12 @@ def run(args: argparse.Namespace) -> int:
             ("healthy engine: reference fp32", lambda: ReferenceEngine(model, dtype="fp32")),
             (f"faulty engine: {FAULT} at TP {TP}", lambda: make_faulty_engine(FAULT, model, tp=TP)),
         ]
-        verdicts = []
+        verdicts, diagnoses = [], []
         for title, make in runs:
             console.print(Rule(title))
-            with make() as engine, console.status("diagnosing") as status:
-                diagnosis = diagnose(options, progress=lambda m: status.update(m), engine=engine)
+            with make() as engine, status(console, args, "diagnosing") as shown:
+                diagnosis = diagnose(options, progress=lambda m: shown.update(m), engine=engine)
+            diagnoses.append((title, diagnosis))
             if args.verbose:
                 render_diagnosis(console, diagnosis, verbose=False)
             else:
@@ -87,4 +90,10 @@ def run(args: argparse.Namespace) -> int:
         console.print("[bold red]the diagnosis did not name the expected components[/]")
     console.print("next, on your own model: [bold]ggufcheck diagnose MODEL.gguf --engine llama-cpp[/] "
                   "(or --engine vllm:tp=2 / http://HOST:PORT/v1; see docs/engines.md)")
+    if args.json:
+        from ggufcheck.report.json import report_json, write_json
+
+        write_json(args.json, report_json("demo", [], ok=ok, runs=[
+            {"engine": title, "verdict": d.verdict.to_json(), "stages": [s.to_json() for s in d.stages],
+             "elapsed_s": d.elapsed_s} for title, d in diagnoses]))
     return int(ExitStatus.HEALTHY if ok else ExitStatus.FINDINGS)

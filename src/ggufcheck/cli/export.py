@@ -13,6 +13,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from ggufcheck.cli import status
 from ggufcheck.errors import UsageError
 
 
@@ -27,6 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", type=Path, help="the GGUF file")
     p.add_argument("out", type=Path, help="output folder (created; existing files are overwritten)")
     p.add_argument("--shard-gb", type=float, default=2.0, help="largest safetensors file, GB (default 2)")
+    p.add_argument("--json", type=Path, help='write what was exported to this JSON file ("-": standard output)')
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,9 +40,14 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--shard-gb must be positive, not {args.shard_gb}")
     console = Console()
     t0 = time.perf_counter()
-    with console.status(f"exporting {args.model.name}"):
+    with status(console, args, f"exporting {args.model.name}"):
         summary = export_checkpoint(args.model, args.out, shard_bytes=int(args.shard_gb * (1 << 30)))
+    elapsed = time.perf_counter() - t0
     console.print(f"{summary['arch']} -> {summary['model_type']}: {summary['tensors']} tensors in "
                   f"{summary['files']} safetensors file(s), config.json, tokenizer.json -> {summary['out']} "
-                  f"({time.perf_counter() - t0:.1f} s)")
+                  f"({elapsed:.1f} s)")
+    if args.json:
+        from ggufcheck.report.json import report_json, write_json
+
+        write_json(args.json, report_json("export", [], model=str(args.model), export=summary, elapsed_s=elapsed))
     return 0

@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     with open_gguf(path) as model:
         summary_console(console, model)
-        with _progress(console, model.file_size) as (progress, task):
+        with _progress(console, model.file_size, quiet=args.quiet) as (progress, task):
             stage = run_file_stage(
                 model, FileStageOptions(health=options.health, tp=options.tp),
                 progress=lambda info: progress.advance(task, info.nbytes),
@@ -116,10 +116,10 @@ def summary_console(console: Console, model) -> None:
 class _progress:
     """A transfer-style progress bar over the bytes scanned (quiet when not a terminal)."""
 
-    def __init__(self, console: Console, total: int):
+    def __init__(self, console: Console, total: int, quiet: bool = False):
         self.progress = Progress(
             TextColumn("scanning tensors"), BarColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
-            console=console, transient=True, disable=not console.is_terminal,
+            console=console, transient=True, disable=quiet or not console.is_terminal,
         )
         self.total = total
 

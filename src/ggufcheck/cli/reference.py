@@ -47,6 +47,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     p.add_argument("--out", type=Path, help="write the trace to OUT.safetensors + OUT.json")
     p.add_argument("--top", type=int, default=3, help="predictions shown per position (default 3)")
+    p.add_argument("--json", type=Path, help='write the predictions and per-layer summary to this JSON file '
+                                             '("-": standard output)')
     stream = p.add_mutually_exclusive_group()
     stream.add_argument("--stream", dest="streaming", action="store_true", default=True,
                         help="keep no weight once used (default: one pass reads each weight once; memory stays "
@@ -107,7 +109,27 @@ def run(args: argparse.Namespace) -> int:
     if options.out is not None:
         tensors_path, meta_path = trace.save(options.out)
         console.print(f"trace written: {tensors_path} + {meta_path.name}")
+    if getattr(args, "json", None):
+        from ggufcheck.report.json import report_json, write_json
+
+        write_json(args.json, report_json("reference", [], model=str(options.model), **_json(
+            trace, tokens, tokenizer, options, cfg, elapsed)))
     return int(ExitStatus.HEALTHY)
+
+
+def _json(trace, tokens: list[int], tokenizer, options, cfg, elapsed: float) -> dict:
+    """The same numbers as the tables, for machines."""
+    values, ids = trace.top_predictions(options.top)
+    predictions = [{"position": t, "token": int(tok), "piece": _piece(tokenizer, int(tok)),
+                    "top": [{"id": int(i), "piece": _piece(tokenizer, int(i)), "logprob": float(v)}
+                            for v, i in zip(values[t].tolist(), ids[t].tolist())]}
+                   for t, tok in enumerate(tokens)]
+    layers = [{"layer": i, "residual_in_rms": _rms(trace.layer_input(i)), "attention_rms": _rms(layer.attn_out),
+               "ffn_rms": _rms(layer.ffn_out), "residual_out_rms": _rms(layer.hidden),
+               "experts_used": None if layer.expert_ids is None else len(set(layer.expert_ids.flatten().tolist()))}
+              for i, layer in enumerate(trace.layers)]
+    return {"arch": cfg.arch, "dtype": options.dtype, "tokens": [int(t) for t in tokens], "predictions": predictions,
+            "layers": layers, "elapsed_s": elapsed, "model_fingerprint": trace.meta["model_fingerprint"]}
 
 
 def _tokenizer(ref, required: bool):
