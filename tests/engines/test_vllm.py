@@ -546,3 +546,20 @@ def test_sigterm_ends_a_run_with_its_vllm_worker_reaped(vllm_python, tiny):
     assert "terminated (SIGTERM)" in err and "Traceback" not in err
     time.sleep(1)
     assert not _workers_alive()
+
+
+def test_one_rank_wrong_after_the_all_reduce_is_named_with_its_rank_and_block(vllm_python, tiny, monkeypatch):
+    """Fault injected into the real engine at TP 2: layer 1's attention output scaled on rank 1
+    only, after vLLM's all-reduce. The verdict names sharding at layer 1, rank 1, the attention
+    block (rank 1's layer input agrees with rank 0's); the FFN check that fails on rank 0's
+    tensors (mixed with rank 1's by the FFN's all-reduce) says it follows from that."""
+    monkeypatch.setenv("GGUFCHECK_VLLM_FAULT", "rank_attention:1:1")
+    with _engine(tiny[("qwen2", "F32")], vllm_python, tp=2) as e:
+        d = _run(tiny[("qwen2", "F32")], e)
+    v = d.verdict
+    assert (v.stage, v.component, v.layer, v.check) == ("layers", "sharding", 1, "layers.ranks"), v.message
+    assert v.evidence["stats"]["rank"] == 1 and v.evidence["stats"]["block"] == "attention", v.message
+    assert v.evidence["stats"]["blocks"]["input"] < 1e-5 < v.evidence["stats"]["blocks"]["attention"]
+    layers = next(s for s in d.stages if s.stage == "layers")
+    others = [r for r in layers.failures if r.check != "layers.ranks" and r.layer is not None and r.layer >= 1]
+    assert all(r.stats.get("follows_ranks_parting") for r in others), [r.message for r in others]

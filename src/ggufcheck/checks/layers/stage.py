@@ -33,6 +33,34 @@ def run_layers_stage(engine, reference, tokens_list: Sequence[Sequence[int]], ba
                      options: LayerOptions | None = None, progress: Callable[[str], None] | None = None,
                      chosen: Sequence[int] | None = None,
                      remember: Callable[[Any, Sequence[int], Any], None] | None = None) -> StageReport:
+    """:func:`_bisect` (its docstring says how), with the block checks that follow from ranks
+    parting said to follow from it."""
+    return after_ranks_part(_bisect(engine, reference, tokens_list, baseline_reference, options, progress, chosen,
+                                    remember))
+
+
+def after_ranks_part(report: StageReport) -> StageReport:
+    """Where the ranks' residual streams part at layer L (``layers.ranks``), the block checks
+    at L and after judge rank 0's tensors, which the next all-reduce has already mixed with
+    the parting rank's partial sums: their failures are consequences, and say so (the verdict
+    is the ranks' result, the earlier component at the same layer)."""
+    parted = next((r for r in report.results if r.check == "layers.ranks" and r.failed), None)
+    if parted is None:
+        return report
+    rank, layer = parted.stats["rank"], parted.layer
+    note = (f" (on rank 0's tensors, after rank {rank}'s residual stream parted from rank 0's at layer {layer}: "
+            f"the all-reduces after that point sum rank {rank}'s diverging partial results into every rank, so "
+            "this follows from it)")
+    report.results = [r.amended(note, stats={"follows_ranks_parting": True})
+                      if r.failed and r is not parted and r.layer is not None and r.layer >= layer else r
+                      for r in report.results]
+    return report
+
+
+def _bisect(engine, reference, tokens_list: Sequence[Sequence[int]], baseline_reference=None,
+            options: LayerOptions | None = None, progress: Callable[[str], None] | None = None,
+            chosen: Sequence[int] | None = None,
+            remember: Callable[[Any, Sequence[int], Any], None] | None = None) -> StageReport:
     """Bisect the layers of ``engine`` against ``reference`` (a fp64 ReferenceModel).
 
     ``baseline_reference`` (a fp32 ReferenceModel of the same file) gives the per-layer
@@ -267,6 +295,35 @@ def residual_identity(runs, layers) -> float | None:
     return worst
 
 
+RANK_BLOCK_TEXT = {
+    "input": "its layer input already differs ({input}): an earlier step on that rank",
+    "attention": "its layer input agrees and its attention output, taken after the attention's all-reduce, "
+                 "differs ({attention}): rank {r}'s attention or that all-reduce",
+    "ffn": "its layer input and attention output agree and its FFN / MoE output, taken after that block's "
+           "all-reduce, differs ({ffn}): rank {r}'s FFN or that all-reduce",
+    None: "each block's output agrees: the residual additions differ on that rank",
+    "unknown": "the engine exposes no per-rank block outputs to say which block",
+}
+
+
+def rank_blocks(traces, i: int, r: int, floor: float) -> tuple[dict[str, float], str | None]:
+    """Rank ``r``'s layer-``i`` input, attention and FFN outputs against rank 0's (each rank
+    holds the same values after an all-reduce): their largest relative differences, and the
+    first one over ``floor`` (None: none; "unknown": none exposed)."""
+    keys = {"input": ("residual", i - 1), "attention": ("attention", i), "ffn": ("ffn", i)}
+    found: dict[str, float] = {}
+    for name, key in keys.items():
+        if key[1] < 0:
+            continue
+        values = [float(rel_errors(torch.as_tensor(t.per_rank[r][key]), torch.as_tensor(t.tensors[key])).max())
+                  for t in traces if key in t.per_rank.get(r, {}) and key in t.tensors]
+        if values:
+            found[name] = max(values)
+    if not found.keys() - {"input"}:
+        return found, "unknown"
+    return found, next((name for name in keys if found.get(name, 0.0) > floor), None)
+
+
 def ranks_agree(traces, opts: LayerOptions) -> list[Result]:
     """Tensor-parallel engines: every rank's residual stream must equal rank 0's (each layer
     ends in an all-reduce); the first (layer, rank) that differs is a broken collective or a
@@ -283,10 +340,13 @@ def ranks_agree(traces, opts: LayerOptions) -> list[Result]:
                     continue
                 worst = max(worst, float(rel_errors(torch.as_tensor(mine), torch.as_tensor(theirs)).max()))
             if worst > opts.floor:
+                blocks, block = rank_blocks(traces, i, r, opts.floor)
                 return [failed("layers.ranks", "sharding",
                                f"layer {i}: rank {r}'s residual stream differs from rank 0's (relative error "
-                               f"{worst:.3g}): the ranks do not hold the same activations after the all-reduce",
-                               layer=i, stats={"rank": r, "error": worst}, worst={"rank": r})]
+                               f"{worst:.3g}): the ranks do not hold the same activations after the all-reduce; "
+                               + RANK_BLOCK_TEXT[block].format(r=r, **{k: f"{v:.3g}" for k, v in blocks.items()}),
+                               layer=i, stats={"rank": r, "error": worst, "block": block, "blocks": blocks},
+                               worst={"rank": r})]
     return [passed("layers.ranks", "sharding", f"ranks 0..{ranks[-1]} hold the same residual stream after every "
                                                f"layer (relative difference <= {opts.floor:g})",
                    stats={"ranks": len(ranks) + 1})]

@@ -201,6 +201,23 @@ def _wants_cpu_compat() -> bool:
         return False
 
 
+def _inject_rank_fault(worker, layers, handles) -> None:
+    """Tests only: GGUFCHECK_VLLM_FAULT='rank_attention:RANK:LAYER' scales that layer's
+    attention output by 1.5 on that rank only, after vLLM's all-reduce (a collective or a
+    rank-local step that is wrong on one rank: the ranks' residual streams part there)."""
+    fault = os.environ.get("GGUFCHECK_VLLM_FAULT", "")
+    if not fault.startswith("rank_attention:"):
+        return
+    rank, layer = (int(x) for x in fault.split(":")[1:3])
+    if getattr(worker, "rank", 0) != rank:
+        return
+
+    def wrong(_mod, _args, out):
+        return (out[0] * 1.5, *out[1:]) if isinstance(out, tuple) else out * 1.5
+
+    handles.append(layers[layer].self_attn.register_forward_hook(wrong))
+
+
 def _inject_expert_fault(layer) -> None:
     """Tests only: GGUFCHECK_VLLM_FAULT='permute_experts:LAYER' rolls the routed experts of
     that layer by one as loaded, before vLLM prepacks them, so the real engine computes with
@@ -291,6 +308,7 @@ def rank_install_hooks(worker):
     inner.forward = observed_forward
     handles = []
     kinds = []
+    _inject_rank_fault(worker, layers, handles)
     for i, layer in enumerate(layers):
         handles.append(layer.register_forward_hook(keep("residual", i)))
         for kind, attr in (("attention", "self_attn"), ("ffn", "mlp")):
