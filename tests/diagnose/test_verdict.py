@@ -48,8 +48,8 @@ def test_errors_alone_are_inconclusive():
 def test_vocabulary_is_the_documented_one():
     names = [c.name for c in COMPONENTS]
     assert names == [
-        "environment", "kernel", "gguf-file", "metadata", "mapping", "dequant", "weights", "sharding",
-        "embedding", "attention", "mla-kv-b", "rope", "norm", "indexer", "moe-router", "moe-experts",
+        "environment", "kernel", "gguf-file", "metadata", "chat-template", "mapping", "dequant", "weights",
+        "sharding", "embedding", "attention", "mla-kv-b", "rope", "norm", "indexer", "moe-router", "moe-experts",
         "ffn", "lm-head", "api", "prefill", "decode", "kv-cache", "batching", "sampling", "output",
     ]
 

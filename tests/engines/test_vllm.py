@@ -166,6 +166,8 @@ def test_tp1_f32_is_healthy_through_every_stage(qwen2_f32_tp1, tiny):
     caps = qwen2_f32_tp1.capabilities
     assert caps.full_vocab and caps.batch and caps.chunked_prefill and caps.weights
     assert caps.activation_dtype == "fp32" and caps.layer_outputs == {"residual", "attention", "ffn", "rope"}
+    cached = next(r for s in d.stages for r in s.results if r.check == "paths.prefix_cache")
+    assert cached.status.value == "PASS" and cached.stats["cached_positions"] >= 128, cached.message  # a real hit
 
 
 def test_score_decode_batch_and_chunks_are_vllms_own(qwen2_f32_tp1, tiny):
@@ -563,3 +565,15 @@ def test_one_rank_wrong_after_the_all_reduce_is_named_with_its_rank_and_block(vl
     layers = next(s for s in d.stages if s.stage == "layers")
     others = [r for r in layers.failures if r.check != "layers.ranks" and r.layer is not None and r.layer >= 1]
     assert all(r.stats.get("follows_ranks_parting") for r in others), [r.message for r in others]
+
+
+def test_stale_prefix_cache_blocks_in_the_real_engine_are_named_kv_cache(vllm_python, tiny, monkeypatch):
+    """Fault injected into the real engine (GGUFCHECK_VLLM_FAULT=stale_prefix_cache: every KV
+    block vLLM holds scaled by 0.5 after the prefix is cached, before the warm request): every
+    cold check passes, the warm request does not, and the verdict is the prefix cache's."""
+    monkeypatch.setenv("GGUFCHECK_VLLM_FAULT", "stale_prefix_cache")
+    with _engine(tiny[("qwen2", "F32")], vllm_python, tp=1) as e:
+        d = _run(tiny[("qwen2", "F32")], e)
+    assert (d.verdict.component, d.verdict.check) == ("kv-cache", "paths.prefix_cache"), _fails(d)
+    assert "read from the prefix cache" in d.verdict.message
+    assert [c for _s, c, _m in _fails(d)] == ["kv-cache"]  # nothing cold failed

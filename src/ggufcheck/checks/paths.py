@@ -322,6 +322,28 @@ def _decode_layers(engine: Engine, result: Result, generations: Sequence[Generat
                           layer=layer if layer is not None else result.layer)
 
 
+def check_prefix_cache(engine: Engine, sequence: Sequence[int], cold: TokenLogprobs, baseline: Baseline,
+                       options: PathOptions) -> Result:
+    """A request whose prefix the engine's prefix cache holds (a request for the first half of
+    ``sequence`` just before) must score like the cold one (``cold``, the engine's own score
+    of ``sequence``): the rows the warm request computes read the cached KV blocks."""
+    check = "paths.prefix_cache"
+    cached = len(sequence) // 2
+    try:
+        warm = engine.score_cached(list(sequence), cached, top_k=options.top_k)
+    except Unsupported as why:
+        return skipped(check, "kv-cache", str(why))
+    computed = int(warm.present.sum()) if warm.present is not None else len(sequence)
+    if computed >= len(sequence):
+        return skipped(check, "kv-cache", f"a {cached}-token prefix gave no cache hit (every position was "
+                                          "computed again: shorter than one cache block?)")
+    hit = len(sequence) - computed
+    result = _pair_verdict(check, "kv-cache", f"a cold request vs the same request after its first {cached} tokens "
+                                              f"were cached ({hit} positions read from the prefix cache)",
+                           [(cold, warm)], baseline, options.tolerance, landmarks(options))
+    return result.amended("", stats={"cached_positions": hit, "computed_positions": computed})
+
+
 def check_batch_invariance(engine: Engine, prompts: Sequence[Sequence[int]], singles: Sequence[TokenLogprobs],
                            baseline: Baseline, options: PathOptions, ambiguity: Ambiguity | None = None) -> Result:
     caps = engine.capabilities
@@ -485,7 +507,8 @@ def run_paths(engine: Engine, prompts: Sequence[Sequence[int]], singles: Sequenc
     say = progress or (lambda _m: None)
     labels = {"paths.prefill_vs_decode": "prefill vs step-by-step decode", "paths.batch_invariance": "batch invariance",
               "paths.determinism": "determinism", "paths.chunked_prefill": "chunked prefill",
-              "paths.past_indexer_top_k": "decode past the indexer's top-k"}
+              "paths.past_indexer_top_k": "decode past the indexer's top-k",
+              "paths.prefix_cache": "a request whose prefix is cached"}
 
     def attempt(check: str, component: str, run):
         say(f"paths {list(labels).index(check) + 1}/{len(labels)}: {labels[check]}")
@@ -513,4 +536,12 @@ def run_paths(engine: Engine, prompts: Sequence[Sequence[int]], singles: Sequenc
     results.append(attempt("paths.past_indexer_top_k", "indexer",
                            lambda: check_past_indexer_top_k(engine, long_prompt, baseline, options, ambiguity,
                                                             reference_score, reference_baseline)))
+    # the longest sequence scored cold so far (the long decode's, teacher-forced), warm
+    seq, cold = max([(list(map(int, g.sequence)), (forced_tables or {}).get(tuple(int(t) for t in g.sequence)))
+                     for g in generations] + [(list(map(int, p)), t) for p, t in zip(prompts, singles)],
+                    key=lambda st: len(st[0]))
+    results.append(attempt("paths.prefix_cache", "kv-cache",
+                           lambda: check_prefix_cache(engine, seq, mark_ambiguous(
+                               cold if cold is not None else engine.score(seq, top_k=options.top_k), ambiguity),
+                               baseline, options)))
     return results, generations

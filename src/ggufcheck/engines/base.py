@@ -305,6 +305,12 @@ class Engine(abc.ABC):
         prefill parts from one prefill (checks.path_layers)."""
         raise Unsupported(f"{self.name} traces no chunked prefill")
 
+    def score_cached(self, tokens: Sequence[int], cached: int, *, top_k: int = 20) -> TokenLogprobs:
+        """``tokens`` scored right after a request for their first ``cached`` tokens, with the
+        engine's prefix cache on: rows computed from the cached KV blocks (``present`` marks
+        the rows the engine computed; a cache hit leaves the cached ones out)."""
+        raise Unsupported(f"{self.name} has no prefix cache ggufcheck can exercise")
+
     def decode_layer_outputs(self, tokens: Sequence[int], prompt_length: int,
                              kinds: Sequence[str] = LAYER_KINDS) -> LayerTrace:
         """:meth:`layer_outputs` of ``tokens`` fed as a decode feeds them: the first

@@ -429,6 +429,15 @@ class VllmEngine(Engine):
         reply, out = self._forward([seq], mode="chunked", chunk=int(chunk_size))
         return self._tables([seq], reply, out)[0]
 
+    def score_cached(self, tokens: Sequence[int], cached: int, *, top_k: int = 20) -> TokenLogprobs:
+        """``tokens`` scored after a request for their first ``cached`` tokens filled vLLM's
+        prefix cache: the rows vLLM computed (present) read the cached blocks' KV."""
+        if not self.info.get("prefix_caching"):
+            raise Unsupported("vLLM was started with prefix caching off")
+        seq = [int(t) for t in tokens]
+        reply, out = self._forward([seq], mode="cached", chunk=int(cached))
+        return self._tables([seq], reply, out)[0]
+
     def generate(self, prompt: Sequence[int], max_new_tokens: int, *, top_k: int = 20) -> Generation:
         prompt = [int(t) for t in prompt]
         reply, out = self._forward([prompt], new_tokens=max_new_tokens)

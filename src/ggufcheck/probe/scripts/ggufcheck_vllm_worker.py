@@ -406,6 +406,26 @@ def _attention_impl(inner):
     return None
 
 
+def rank_scale_kv_cache(worker, factor):
+    """Tests only (GGUFCHECK_VLLM_FAULT=stale_prefix_cache): every KV cache block scaled, as a
+    cache whose kept blocks went stale; the next request's new blocks are written afresh."""
+    import torch
+
+    def scale(x):
+        if isinstance(x, torch.Tensor):
+            x.mul_(factor)
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                scale(y)
+
+    runner = getattr(worker, "model_runner", None)
+    caches = getattr(runner, "kv_caches", None)
+    if caches is None:
+        raise RuntimeError("no kv_caches on this vLLM worker's model runner")
+    scale(caches)
+    return True
+
+
 def rank_capture(worker, on, layers):
     state = worker._ggufcheck
     state["on"], state["layers"] = bool(on), bool(layers)
@@ -623,7 +643,10 @@ class Driver:
         kwargs = dict(model=req["model"], tokenizer=req["config_dir"], hf_config_path=req["config_dir"],
                       dtype=req.get("dtype", "float32"), enforce_eager=True,
                       max_model_len=int(req.get("max_model_len", 512)),
-                      tensor_parallel_size=int(req.get("tp", 1)), enable_prefix_caching=False,
+                      tensor_parallel_size=int(req.get("tp", 1)),
+                      # on, as deployments run it; emptied before every request but the
+                      # prefix-cache check's (forward resets it), so every other check is cold
+                      enable_prefix_caching=bool(req.get("prefix_caching", True)),
                       max_num_batched_tokens=max(int(req.get("max_model_len", 512)), 256),
                       seed=0, disable_log_stats=True)
         if int(req.get("tp", 1)) > 1:
@@ -641,6 +664,13 @@ class Driver:
         cfg = self.llm.llm_engine.model_config
         self.vocab_size = int(cfg.get_vocab_size())
         self.scheduler = self._scheduler()
+        self.prefix_caching = bool(req.get("prefix_caching", True))
+        self.block_size = int(getattr(self.llm.llm_engine.vllm_config.cache_config, "block_size", 0) or 0)
+
+    def _cold(self):
+        """An empty prefix cache: the next request computes every position."""
+        if self.prefix_caching and not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache (a request still running?)")
 
     def _chunking(self):
         """Whether a prefill can be split by the scheduler's token budget, and if not, why."""
@@ -675,6 +705,7 @@ class Driver:
         return {"vllm": vllm.__version__, "plugin": plugin, "torch": torch.__version__,
                 "tp": self.tp, "n_layers": self.n_layers, "kinds": self.kinds, "vocab_size": self.vocab_size,
                 "compat": _compat_notes(self.attention) + self.notes, "attention": self.attention,
+                "prefix_caching": self.prefix_caching, "block_size": self.block_size,
                 **self._chunking(),
                 "device": str(self.llm.llm_engine.vllm_config.device_config.device)}, {}
 
@@ -702,6 +733,12 @@ class Driver:
                 raise RuntimeError("vLLM's scheduler is not reachable in this process: no chunked prefill")
             budget = self.scheduler.max_num_scheduled_tokens
             self.scheduler.max_num_scheduled_tokens = int(req["chunk"])
+        self._cold()
+        if mode == "cached":  # the first ``chunk`` tokens of each sequence cached by a request of their own
+            for s in seqs:
+                self._run([s[:int(req["chunk"])]], 1)
+            if os.environ.get("GGUFCHECK_VLLM_FAULT") == "stale_prefix_cache":
+                self.llm.collective_rpc(rank_scale_kv_cache, args=(0.5,))  # tests only
         self.llm.collective_rpc(rank_capture, args=(True, layers))
         try:
             generated = []
