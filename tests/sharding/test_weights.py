@@ -221,7 +221,7 @@ def test_gate_up_swapped_is_named_dense_and_expert(model):
         bad = {r.tensor: r for r in check_loaded_weights(m, spec, table, loaded, 2) if r.failed}
         assert set(bad) == {gate, up}
         assert bad[gate].stats["holds"] == up and bad[up].stats["holds"] == gate
-        assert "swapped" in bad[gate].message
+        assert "mixed up the two names" in bad[gate].message and bad[gate].stats["layout"] == "swapped"
         assert bad[gate].component == ("moe-experts" if ".experts." in gate else "weights")
 
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from ggufcheck.checks.logits import collect
 from ggufcheck.engines.base import TokenLogprobs
-from ggufcheck.engines.faults import WrappedEngine
+from ggufcheck.engines.wrapped import WrappedEngine
 from ggufcheck.results import Result, failed
 
 OFFSETS = (1, -1)

@@ -12,41 +12,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ggufcheck.engines.base import Engine, Generation, TokenLogprobs, log_softmax
-
-
-class WrappedEngine(Engine):
-    """Delegates everything to ``inner``; subclasses corrupt one path."""
-
-    def __init__(self, inner: Engine):
-        self.inner = inner
-        self.name = f"{type(self).__name__}({inner.name})"
-        self.capabilities = inner.capabilities
-        self.vocab_size = inner.vocab_size
-
-    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
-        return self.inner.tokenize(text, add_special=add_special)
-
-    def detokenize(self, tokens: Sequence[int]) -> str:
-        return self.inner.detokenize(tokens)
-
-    def score(self, tokens: Sequence[int], *, top_k: int = 20) -> TokenLogprobs:
-        return self.corrupt(self.inner.score(tokens, top_k=top_k))
-
-    def score_batch(self, batch, *, top_k: int = 20):
-        return [self.corrupt(t) for t in self.inner.score_batch(batch, top_k=top_k)]
-
-    def score_chunked(self, tokens, chunk_size, *, top_k: int = 20):
-        return self.corrupt(self.inner.score_chunked(tokens, chunk_size, top_k=top_k))
-
-    def generate(self, prompt, max_new_tokens, *, top_k: int = 20) -> Generation:
-        return self.inner.generate(prompt, max_new_tokens, top_k=top_k)
-
-    def corrupt(self, table: TokenLogprobs) -> TokenLogprobs:
-        return table
-
-    def close(self) -> None:
-        self.inner.close()
+from ggufcheck.engines.base import Generation, TokenLogprobs, log_softmax
+from ggufcheck.engines.wrapped import WrappedEngine  # noqa: F401 - the base, re-exported for users
 
 
 def _full(table: TokenLogprobs, logprobs: np.ndarray) -> TokenLogprobs:

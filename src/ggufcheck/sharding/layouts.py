@@ -90,9 +90,15 @@ def _gate_up_swapped(full, param, spec, tp):
     return None
 
 
-def _rope_permuted(full, param, spec, tp):
-    from ggufcheck.sharding.weights import row_order
+def row_order(transform: str, spec: "ArchSpec", n_rows: int) -> Tensor:
+    """For a transform that only reorders rows: the stored row each HF row comes from."""
+    from ggufcheck.arch.transforms import TRANSFORMS
 
+    index = torch.arange(n_rows, dtype=torch.float64)[:, None]
+    return TRANSFORMS[transform].to_hf({"w": index}, spec, "w")["w"][:, 0].long()
+
+
+def _rope_permuted(full, param, spec, tp):
     if spec is None or param.group.transform not in ("llama_q", "llama_k"):
         return None
     return full[torch.argsort(row_order(param.group.transform, spec, full.shape[0]))]

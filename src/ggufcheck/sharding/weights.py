@@ -34,7 +34,7 @@ from ggufcheck.arch.spec import ArchSpec
 from ggufcheck.arch.table import TensorTable
 from ggufcheck.arch.transforms import TRANSFORMS
 from ggufcheck.comparison import within_rtol
-from ggufcheck.sharding.layouts import name_layout, name_reshaped
+from ggufcheck.sharding.layouts import name_layout, name_reshaped, row_order
 from ggufcheck.sharding.mla import KV_B_RULE
 from ggufcheck.sharding.rules import REPLICATED, ShardRule, raw_shard, rule_from_shard, shard
 
@@ -158,12 +158,6 @@ def diagnose_raw(model: "GGUFModel", spec: ArchSpec, got: Tensor, param: HFParam
             return (f"holds rank {other}'s bytes instead of its own", "sharding", {"holds_rank": other})
     return (f"bytes differ from the expected {info.qtype.name} slice (shape {tuple(got.shape)}, "
             f"expected {tuple(want.shape)})", "weights", {"qtype": info.qtype.name})
-
-
-def row_order(transform: str, spec: ArchSpec, n_rows: int) -> Tensor:
-    """For a transform that only reorders rows: the stored row each HF row comes from."""
-    index = torch.arange(n_rows, dtype=torch.float64)[:, None]
-    return TRANSFORMS[transform].to_hf({"w": index}, spec, "w")["w"][:, 0].long()
 
 
 def diagnose_slice(got: Tensor, want: Tensor, full: Tensor, param: HFParam, rank: int, tp: int,

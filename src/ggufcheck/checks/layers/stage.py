@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from ggufcheck.checks import index_ranges
+from ggufcheck.checks.layers.capture import layer_outputs_that_fit
 from ggufcheck.checks.layers.localize import localize
 from ggufcheck.checks.layers.metrics import (
     MaxError,
@@ -22,7 +23,6 @@ from ggufcheck.checks.layers.metrics import (
 )
 from ggufcheck.checks.layers.options import STAGE, LayerOptions
 from ggufcheck.checks.layers.replay import ReplayedTrace, engine_input
-from ggufcheck.engines.base import Unsupported
 from ggufcheck.results import Result, StageReport, failed, passed, skipped
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -399,18 +399,6 @@ def shortened_note(shortened: list[dict]) -> str:
         return ""
     parts = ", ".join(f"{x['tokens']} -> {x['used']}" for x in shortened)
     return f"; prompts the engine declined whole were shortened to a prefix it takes ({parts} tokens)"
-
-
-def layer_outputs_that_fit(engine, tokens: list[int], kinds: list[str]):
-    """(tokens used, the engine's LayerTrace): the whole sequence, or, where the engine declines
-    it (e.g. longer than its context), the longest halved prefix it takes (>= 2 tokens)."""
-    while True:
-        try:
-            return tokens, engine.layer_outputs(tokens, kinds)
-        except Unsupported:
-            if len(tokens) < 4:
-                raise
-            tokens = tokens[: len(tokens) // 2]
 
 
 def run(session: "Session") -> list[StageReport]:

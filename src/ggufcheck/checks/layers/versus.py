@@ -25,7 +25,7 @@ import torch
 
 from ggufcheck.checks.layers.metrics import rel_errors
 from ggufcheck.checks.layers.options import STAGE, LayerOptions
-from ggufcheck.checks.layers.stage import layer_outputs_that_fit
+from ggufcheck.checks.layers.capture import layer_outputs_that_fit
 from ggufcheck.results import StageReport, failed, passed, skipped
 
 QUANTILE = 0.9
