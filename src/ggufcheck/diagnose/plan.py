@@ -156,13 +156,8 @@ def engine_tp(options: DiagnoseOptions, engine: Any | None = None) -> int | None
     if engine is not None:
         tp = int(getattr(getattr(engine, "capabilities", None), "tp_size", 1) or 1)
         return tp if tp > 1 else None
-    spec = options.engine or ""
-    head, _, rest = spec.partition(":")
-    if head != "vllm":
-        return None
-    from ggufcheck.engines.vllm import parse_options
-
-    return int(parse_options(rest, spec).tp)
+    spec = options.engine_spec
+    return None if spec is None else spec.tp
 
 
 def one_tp_size(options: DiagnoseOptions, engine: Any | None = None) -> DiagnoseOptions:
@@ -204,8 +199,8 @@ def plan_for(session: Session, engine: Any | None = None):
         raise UsageError(f"--experts {max(o.experts)}: {o.model.name} has experts 0..{cfg.n_expert - 1} per MoE layer")
     host = probe_host(with_gpus=o.reference_device != "cpu")
     device = o.reference_device if o.reference_device not in ("auto", "cpu") else "cpu"
-    kind = "" if engine is not None else (o.engine or "").split(":")[0].split("@")[0]
-    plan = plan_resources(o, model, cfg, host, Rates.calibrate(model, device), kind, o.max_memory)
+    spec = None if engine is not None else o.engine_spec
+    plan = plan_resources(o, model, cfg, host, Rates.calibrate(model, device), spec, o.max_memory)
     if plan.refusal:
         raise UsageError(f"{o.model.name}: {plan.refusal}", tip=f"cheaper: {cheaper_options(plan)}")
     set_cache_budget(plan.cache_budget, compact=plan.compact)

@@ -276,7 +276,7 @@ class ResourcePlan:
 
 
 def plan_resources(options: Any, gguf: Any, cfg: Any, host: Host, rates: Rates,
-                   engine_kind: str = "", max_memory: int | None = None) -> ResourcePlan:
+                   engine: Any = None, max_memory: int | None = None) -> ResourcePlan:
     """The plan of one ``diagnose`` (``options``: :class:`~ggufcheck.diagnose.session.DiagnoseOptions`)."""
     m = model_facts(gguf, cfg)
     limit = max_memory or int(DEFAULT_MEMORY_SHARE * host.ram_available)
@@ -291,10 +291,15 @@ def plan_resources(options: Any, gguf: Any, cfg: Any, host: Host, rates: Rates,
                                 "the health scan: 64 MB of the file at a time"))
     if options.tp:
         stages.append(StageEstimate("sharding", int(1.0 * GIB), read_all / 4, "one layer of each kind, sharded"))
+    engine_kind = engine.name if engine is not None else ""  # (an EngineSpec; None: an engine given open)
     in_process = engine_kind in ("reference", "hf", "hf-gguf")
     engine_bytes = 0
-    if engine_kind in ("hf", "hf-gguf") and options.engine and "@cuda" not in options.engine:
-        engine_bytes = m.n_weights * (2 if "bf16" in options.engine else 4)  # transformers holds the model here
+    if engine_kind in ("hf", "hf-gguf"):
+        from ggufcheck.engines.spec import hf_dtype_device
+
+        dtype, device = hf_dtype_device(engine.text, engine.rest)
+        if device == "cpu":  # transformers holds the model here
+            engine_bytes = m.n_weights * {"bf16": 2, "fp16": 2, "fp64": 8}.get(dtype, 4)
     experts = getattr(options, "experts", None)
     if experts is not None and m.n_expert:  # --experts: the other experts' rows are not read
         left_out = sum(m.per_expert) * (m.n_expert - len(experts))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable
 
@@ -46,6 +47,13 @@ class DiagnoseOptions:
     reference_device: str = "auto"  # where the reference runs: auto (a GPU with room, else cpu), cpu, cuda[:N]
     layers: tuple[int, ...] | None = None  # --layers: check only these layers (their weights alone are read)
     experts: tuple[int, ...] | None = None  # --experts: audit only these routed experts of each MoE layer
+
+    @cached_property
+    def engine_spec(self):
+        """``engine`` parsed once (engines/spec.py: its kind, options, TP size); None without one."""
+        from ggufcheck.engines.spec import parse_spec
+
+        return parse_spec(self.engine) if self.engine else None
 
     def tensor_chosen(self, name: str) -> bool:
         """Whether ``--layers`` keeps tensor ``name`` (every non-layer tensor is kept)."""
@@ -96,18 +104,17 @@ class Session:
 
     def engine(self):
         if self._engine is None:
-            from ggufcheck.engines.spec import open_engine
-
-            self.say(f"opening engine {self.options.engine}")
+            spec = self.options.engine_spec
+            self.say(f"opening engine {spec.text}")
             kwargs = dict(self.options.engine_kwargs)
-            if self.options.engine.split(":")[0] in ("vllm", "llama-cpp") and self.options.python:
+            if spec.kind.interpreter and self.options.python:
                 # vLLM, and an isolated llama.cpp, run in the engine's interpreter
                 kwargs.setdefault("python", self.options.python)
-            if self.options.engine.startswith(("http://", "https://")) and "http_options" not in kwargs:
+            if spec.name == "http" and "http_options" not in kwargs:
                 from ggufcheck.engines.http import HttpOptions
 
                 kwargs["http_options"] = HttpOptions(timeout_s=self.options.timeout, top_k=self.options.top_k)
-            self._engine = open_engine(self.options.engine, self.options.model, **kwargs)
+            self._engine = spec.open(self.options.model, **kwargs)
         return self._engine
 
     def reference(self):

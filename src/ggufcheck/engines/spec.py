@@ -18,18 +18,56 @@
     http://HOST:PORT[/v1][?kind=vllm|llama-cpp-python|llama-server][&backend=cuda]
     python:MODULE:FACTORY        a user's own engine: FACTORY(model_path) -> Engine
 
-Heavy libraries are imported only by the adapter a spec names.
+Each kind is one :class:`EngineKind` in :data:`KINDS` (its usage line, how it opens, its TP
+size, whether it runs in another interpreter); :func:`parse_spec` reads a spec once into an
+:class:`EngineSpec` that the run keeps (``DiagnoseOptions.engine_spec``). Heavy libraries
+are imported only by the adapter a spec names.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from ggufcheck.engines.base import Engine
 from ggufcheck.errors import UsageError
 
-SPEC_HELP = ("reference[:fp32], hf[:bf16][@cuda], hf-gguf[:fp32] (transformers' own GGUF loader), llama-cpp[:n_ctx=N,n_gpu_layers=N], vllm[:tp=N,dtype=D,max_model_len=N], "
-             "http://HOST:PORT[/v1], python:MODULE:FACTORY")
+@dataclass(frozen=True)
+class EngineKind:
+    """One kind of engine ``--engine`` can name: how its spec reads, how it opens, and what the
+    run needs to know of it before it opens (its TP size, its interpreter). A new engine is
+    one module in ``engines/`` and one entry in :data:`KINDS`."""
+
+    name: str
+    usage: str  # how its spec reads, shown in --help
+    open: Callable[[str, str, "Path | None", dict], Engine]  # (spec, options text, model, kwargs)
+    ranks: Callable[[str, str], int] | None = None  # (spec, options text) -> the TP size it runs at
+    interpreter: bool = False  # runs in the interpreter --python names
+    needs_model: bool = True
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """An ``--engine`` string, parsed once: its kind and its options text."""
+
+    text: str
+    kind: EngineKind
+    rest: str
+
+    @property
+    def name(self) -> str:
+        return self.kind.name
+
+    @property
+    def tp(self) -> int | None:
+        """The tensor-parallel size the spec runs the engine at; None for an engine without one."""
+        return None if self.kind.ranks is None else self.kind.ranks(self.text, self.rest)
+
+    def open(self, model_path: str | Path | None, **kwargs) -> Engine:
+        if self.kind.needs_model and model_path is None:
+            raise UsageError(f"--engine {self.text} needs the model file")
+        return self.kind.open(self.text, self.rest, model_path, kwargs)
 
 
 def _options(text: str, spec: str) -> dict[str, int]:
@@ -42,70 +80,115 @@ def _options(text: str, spec: str) -> dict[str, int]:
     return out
 
 
-def open_engine(spec: str, model_path: str | Path | None, **kwargs) -> Engine:
-    """Open the engine ``spec`` names, for the model at ``model_path``."""
-    head, _, rest = spec.partition(":")
-    if spec.startswith("hf@"):  # hf@cuda: the default dtype on a device
-        head, rest = "hf", spec[2:]
-    if spec.startswith("hf-gguf@"):
-        head, rest = "hf-gguf", spec[len("hf-gguf"):]
-    if spec.startswith(("http://", "https://")):
-        from ggufcheck.engines.http import HttpEngine, HttpOptions
+def _http(spec: str, rest: str, model_path, kwargs: dict) -> Engine:
+    from ggufcheck.engines.http import HttpEngine, HttpOptions
 
-        try:
-            return HttpEngine(spec, model_path=model_path, options=kwargs.pop("http_options", HttpOptions()))
-        except ValueError as err:
-            raise UsageError(f"--engine {spec}: {err}") from err
-    if head == "python":
-        from ggufcheck.engines.plugin import load_plugin
+    try:
+        return HttpEngine(spec, model_path=model_path, options=kwargs.pop("http_options", HttpOptions()))
+    except ValueError as err:
+        raise UsageError(f"--engine {spec}: {err}") from err
 
-        return load_plugin(rest, model_path)
-    if model_path is None:
-        raise UsageError(f"--engine {spec} needs the model file")
-    if head == "llama-cpp":
-        from ggufcheck.engines.llama_cpp import LlamaCppEngine
 
-        # type_k/v: ggml type of the KV cache (0 F32, 1 F16 default, 8 Q8_0); flash_attn: 0/1
-        allowed = {"n_ctx", "n_threads", "n_batch", "seed", "type_k", "type_v", "flash_attn", "n_gpu_layers",
-                   "main_gpu", "isolate", "verbose"}
-        opts = _options(rest, spec)
-        unknown = set(opts) - allowed
-        if unknown:
-            raise UsageError(f"--engine {spec}: unknown option(s) {', '.join(sorted(unknown))}",
-                             tip=f"known: {', '.join(sorted(allowed))}")
-        # a GPU build of llama.cpp cannot share a process with torch (engines.isolated):
-        # offloading runs it in a process of its own; isolate=0|1 overrides
-        python = kwargs.pop("python", None)  # --python: the interpreter whose llama_cpp runs it (isolated)
-        isolate = opts.pop("isolate", 1 if (opts.get("n_gpu_layers") or python) else 0)
-        if isolate:
-            from ggufcheck.engines.isolated import IsolatedEngine
+def _plugin(spec: str, rest: str, model_path, kwargs: dict) -> Engine:
+    from ggufcheck.engines.plugin import load_plugin
 
-            return IsolatedEngine("ggufcheck.engines.llama_cpp:LlamaCppEngine", model_path, preload=("llama_cpp",),
-                                  python=python, **{**kwargs, **opts})
-        return LlamaCppEngine(model_path, **{**kwargs, **opts})
-    if head == "vllm":
-        from ggufcheck.engines.vllm import VllmEngine, parse_options
+    return load_plugin(rest, model_path)
 
-        return VllmEngine(model_path, parse_options(rest, spec), python=kwargs.get("python"))
-    if head == "reference":
-        from ggufcheck.engines.reference import ReferenceEngine
 
-        dtype = rest or "fp64"
-        if dtype not in ("fp32", "fp64"):
-            raise UsageError(f"--engine {spec}: the reference computes in fp32 or fp64")
-        return ReferenceEngine(model_path, dtype=dtype, **kwargs)
-    if head in ("hf", "hf-gguf"):
+LLAMA_CPP_OPTIONS = {"n_ctx", "n_threads", "n_batch", "seed", "type_k", "type_v", "flash_attn", "n_gpu_layers",
+                     "main_gpu", "isolate", "verbose"}
+
+
+def _llama_cpp(spec: str, rest: str, model_path, kwargs: dict) -> Engine:
+    from ggufcheck.engines.llama_cpp import LlamaCppEngine
+
+    # type_k/v: ggml type of the KV cache (0 F32, 1 F16 default, 8 Q8_0); flash_attn: 0/1
+    opts = _options(rest, spec)
+    unknown = set(opts) - LLAMA_CPP_OPTIONS
+    if unknown:
+        raise UsageError(f"--engine {spec}: unknown option(s) {', '.join(sorted(unknown))}",
+                         tip=f"known: {', '.join(sorted(LLAMA_CPP_OPTIONS))}")
+    # a GPU build of llama.cpp cannot share a process with torch (engines.isolated):
+    # offloading runs it in a process of its own; isolate=0|1 overrides
+    python = kwargs.pop("python", None)  # --python: the interpreter whose llama_cpp runs it (isolated)
+    isolate = opts.pop("isolate", 1 if (opts.get("n_gpu_layers") or python) else 0)
+    if isolate:
+        from ggufcheck.engines.isolated import IsolatedEngine
+
+        return IsolatedEngine("ggufcheck.engines.llama_cpp:LlamaCppEngine", model_path, preload=("llama_cpp",),
+                              python=python, **{**kwargs, **opts})
+    return LlamaCppEngine(model_path, **{**kwargs, **opts})
+
+
+def _vllm(spec: str, rest: str, model_path, kwargs: dict) -> Engine:
+    from ggufcheck.engines.vllm import VllmEngine, parse_options
+
+    return VllmEngine(model_path, parse_options(rest, spec), python=kwargs.get("python"))
+
+
+def _vllm_ranks(spec: str, rest: str) -> int:
+    from ggufcheck.engines.vllm import parse_options
+
+    return int(parse_options(rest, spec).tp)
+
+
+def _reference(spec: str, rest: str, model_path, kwargs: dict) -> Engine:
+    from ggufcheck.engines.reference import ReferenceEngine
+
+    dtype = rest or "fp64"
+    if dtype not in ("fp32", "fp64"):
+        raise UsageError(f"--engine {spec}: the reference computes in fp32 or fp64")
+    kwargs.pop("python", None)
+    return ReferenceEngine(model_path, dtype=dtype, **kwargs)
+
+
+def hf_dtype_device(spec: str, rest: str) -> tuple[str, str]:
+    """``hf[:DTYPE][@DEVICE]``'s dtype (default fp32) and device (default cpu), checked."""
+    dtype, _, device = rest.partition("@")
+    dtype = dtype or "fp32"
+    if dtype not in ("fp32", "fp64", "bf16", "fp16"):
+        raise UsageError(f"--engine {spec}: dtype must be fp32, fp64, bf16 or fp16")
+    device = device or "cpu"
+    index = device.partition(":")[2] if device.startswith("cuda:") else ""
+    if device not in ("cpu", "cuda") and not (device.startswith("cuda:") and index.isdigit()):
+        raise UsageError(f"--engine {spec}: device must be cpu, cuda or cuda:N", tip="e.g. hf:bf16@cuda:0")
+    return dtype, device
+
+
+def _hf(loader: str):
+    def open_(spec: str, rest: str, model_path, kwargs: dict) -> Engine:
         from ggufcheck.engines.hf import HFEngine
 
-        dtype, _, device = rest.partition("@")
-        dtype = dtype or "fp32"
-        if dtype not in ("fp32", "fp64", "bf16", "fp16"):
-            raise UsageError(f"--engine {spec}: dtype must be fp32, fp64, bf16 or fp16")
-        device = device or "cpu"
-        index = device.partition(":")[2] if device.startswith("cuda:") else ""
-        if device not in ("cpu", "cuda") and not (device.startswith("cuda:") and index.isdigit()):
-            raise UsageError(f"--engine {spec}: device must be cpu, cuda or cuda:N", tip="e.g. hf:bf16@cuda:0")
-        if head == "hf-gguf":
-            return HFEngine.from_transformers_gguf(model_path, dtype=dtype, device=device)
-        return HFEngine.from_gguf(model_path, dtype=dtype, device=device)
-    raise UsageError(f"--engine {spec}: unknown engine", tip=f"one of: {SPEC_HELP}")
+        dtype, device = hf_dtype_device(spec, rest)
+        return getattr(HFEngine, loader)(model_path, dtype=dtype, device=device)
+    return open_
+
+
+KINDS: dict[str, EngineKind] = {k.name: k for k in (
+    EngineKind("reference", "reference[:fp32]", _reference),
+    EngineKind("hf", "hf[:bf16][@cuda]", _hf("from_gguf")),
+    EngineKind("hf-gguf", "hf-gguf[:fp32] (transformers' own GGUF loader)", _hf("from_transformers_gguf")),
+    EngineKind("llama-cpp", "llama-cpp[:n_ctx=N,n_gpu_layers=N]", _llama_cpp, interpreter=True),
+    EngineKind("vllm", "vllm[:tp=N,dtype=D,max_model_len=N]", _vllm, ranks=_vllm_ranks, interpreter=True),
+    EngineKind("http", "http://HOST:PORT[/v1]", _http, needs_model=False),
+    EngineKind("python", "python:MODULE:FACTORY", _plugin, needs_model=False),
+)}
+SPEC_HELP = ", ".join(k.usage for k in KINDS.values())
+
+
+def parse_spec(text: str) -> EngineSpec:
+    """``--engine TEXT`` -> its :class:`EngineSpec` (a UsageError naming the kinds for an unknown one)."""
+    if text.startswith(("http://", "https://")):
+        return EngineSpec(text, KINDS["http"], text)
+    head, _, rest = text.partition(":")
+    for name in ("hf-gguf", "hf"):  # hf@cuda: the default dtype on a device
+        if text.startswith(name + "@"):
+            head, rest = name, text[len(name):]
+    if head not in KINDS:
+        raise UsageError(f"--engine {text}: unknown engine", tip=f"one of: {SPEC_HELP}")
+    return EngineSpec(text, KINDS[head], rest)
+
+
+def open_engine(spec: "str | EngineSpec", model_path: str | Path | None, **kwargs) -> Engine:
+    """Open the engine ``spec`` names, for the model at ``model_path``."""
+    return (spec if isinstance(spec, EngineSpec) else parse_spec(spec)).open(model_path, **kwargs)
