@@ -45,6 +45,14 @@ def main() -> int:
     from ggufcheck.reference.model import ReferenceModel
 
     spent = {"engine": 0.0, "reference": 0.0}
+    by_check: dict[str, list] = {}  # the check whose code asked for an engine call -> [calls, seconds]
+
+    def asked_by() -> str:
+        import traceback
+
+        names = [f.name for f in traceback.extract_stack()]
+        return next((n for n in reversed(names) if n.startswith(("check_", "run_layers", "_score_what", "_sweep",
+                                                                  "localize", "where_paths"))), "other")
 
     def timed(fn, who):
         def call(*a, **k):
@@ -52,7 +60,12 @@ def main() -> int:
             try:
                 return fn(*a, **k)
             finally:
-                spent[who] += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                spent[who] += dt
+                if who == "engine":
+                    row = by_check.setdefault(asked_by(), [0, 0.0])
+                    row[0] += 1
+                    row[1] += dt
         return call
 
     started = time.perf_counter()
@@ -89,6 +102,8 @@ def main() -> int:
     rest = total - spent["engine"] - spent["reference"]
     print(f"who spent it: the engine's own calls {spent['engine']:.1f} s, the reference's passes "
           f"{spent['reference']:.1f} s, ggufcheck's own work {rest:.1f} s")
+    print("the engine's calls by the check that asked (calls, seconds): " + ", ".join(
+        f"{name} {n} / {t:.1f}" for name, (n, t) in sorted(by_check.items(), key=lambda kv: -kv[1][1])))
     floor = spent["engine"] + one_pass
     print(f"overhead ratio: {total:.1f} / ({spent['engine']:.1f} engine + {one_pass:.1f} one fp64 reference pass "
           f"over the {len(prompts)} prompts) = {total / floor:.2f}  (goal <= 3: {'met' if total / floor <= 3 else 'NOT met'})")

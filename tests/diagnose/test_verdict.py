@@ -74,3 +74,15 @@ def test_worst_values_print_without_python_syntax_or_long_floats():
 
     assert plain({"sequence": 2, "position": 79, "kl": 10.058613658112662}) == "sequence 2, position 79, kl 10.1"
     assert plain({"rank": 0, "where": [1, 2.5e-07]}) == "rank 0, where 1, 2.5e-07"
+
+
+def test_a_shifted_server_says_how_to_get_a_run_that_passes():
+    """issue 38 item 8: llama-cpp-python's server shifts prompt rows without a BOS; the `api`
+    verdict's next step names the way to a healthy run, not only the fault."""
+    from ggufcheck.diagnose.verdict import decide
+    from ggufcheck.results import StageReport, failed
+
+    stage = StageReport("logits")
+    stage.add(failed("logits.alignment", "api", "the served prompt log-probs are shifted by 1 position"))
+    v = decide([stage])
+    assert v.component == "api" and "--prompts" in v.next_steps and "BOS" in v.next_steps

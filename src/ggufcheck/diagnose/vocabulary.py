@@ -80,6 +80,10 @@ ORDER = {c.name: i for i, c in enumerate(COMPONENTS)}
 
 # Where a check knows more than its component, its own next step (by check name).
 CHECK_NEXT_STEPS = {
+    "logits.alignment": "the server reports prompt log-probs one row off (llama-cpp-python's server 0.3.x does so "
+                        "when the prompt does not start with the model's BOS): every later check judged the "
+                        "realigned rows; for a run that passes, give prompts that start with the BOS (--prompts "
+                        "FILE, one per line, e.g. '<|im_start|>user ...' for SmolLM2), or report the shift upstream",
     "layers.rope": "call the engine's rope op on the worst row's q / k, with the shapes and strides the model "
                    "passes, next to a plain-torch rotation (the engine's own reference path if it has one)",
 }
