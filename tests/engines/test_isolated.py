@@ -33,6 +33,11 @@ def test_isolated_llama_cpp_matches_in_process_bit_for_bit(llama_engine, smollm2
         assert np.array_equal(trace.tensors[("residual", 3)], llama_engine.layer_outputs(tokens[:6]).tensors[("residual", 3)])
         with pytest.raises(Unsupported, match="chunk size"):  # the adapter's own error, same class
             engine.score_chunked(tokens, 10_000)
+        decoded = engine.decode_layer_outputs(tokens[:8], 4, ("residual",)).tensors  # the decode path, traced
+        assert np.array_equal(decoded[("residual", 3)],
+                              llama_engine.decode_layer_outputs(tokens[:8], 4, ("residual",)).tensors[("residual", 3)])
+        chat = [{"role": "user", "content": "Hi"}]
+        assert engine.chat_tokens(chat) == llama_engine.chat_tokens(chat)  # the chat template stage's tokens
     finally:
         engine.close()
     assert engine._proc is None

@@ -143,6 +143,13 @@ class IsolatedEngine(Engine):
                               kinds: Sequence[str] = LAYER_KINDS) -> LayerTrace:
         return self._call("chunked_layer_outputs", [int(t) for t in tokens], int(chunk_size), tuple(kinds))
 
+    def decode_layer_outputs(self, tokens: Sequence[int], prompt_length: int,
+                             kinds: Sequence[str] = LAYER_KINDS) -> LayerTrace:
+        return self._call("decode_layer_outputs", [int(t) for t in tokens], int(prompt_length), tuple(kinds))
+
+    def chat_tokens(self, messages: Sequence[dict]) -> list[int]:
+        return self._call("chat_tokens", [dict(m) for m in messages])
+
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "process": "isolated", "pid": getattr(self._proc, "pid", None)}
 
