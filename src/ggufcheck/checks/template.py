@@ -113,9 +113,9 @@ def _bos(ids: list[int], vocab) -> Result:
         return skipped(check, COMPONENT, "the vocabulary has no BOS token")
     lead = next((i for i, t in enumerate(ids) if t != vocab.bos_id), len(ids))
     if lead >= 2:
-        return failed(check, COMPONENT, f"the rendered chat starts with {lead} BOS tokens ({vocab.tokens[vocab.bos_id]!r} "
-                                        f"id {vocab.bos_id}): the template emits BOS more than once",
-                      stats={"leading_bos": lead})
+        text = vocab.tokens[vocab.bos_id]
+        return failed(check, COMPONENT, f"the rendered chat starts with {lead} BOS tokens ({text!r} id {vocab.bos_id}): "
+                                        "the template emits BOS more than once", stats={"leading_bos": lead})
     if lead == 0 and vocab.add_bos:
         return warned(check, COMPONENT, "the template emits no BOS while the vocabulary asks for one "
                                         "(tokenizer.ggml.add_bos_token): engines disagree on adding it (llama.cpp's "
