@@ -91,3 +91,13 @@ def test_position_axes_carry_token_text():
     stages[1].info["per_position"]["tokens"] = ["The", " capital", " of", "<b>"]
     page = render_html("diagnose tiny.gguf", stages, decide(stages))
     assert "1: capital" in page and "3:&lt;b&gt;" in page and "position: token" in page
+
+
+def test_the_argmax_plot_says_what_its_check_counted():
+    """issue 38 item 5: the plot draws exact agreement per row; the check also counts the flips
+    the engine's own KL explains. The plot's title says both, so the two cannot contradict."""
+    logits = StageReport("logits", info={"per_position": {
+        "argmax_agree": [1, 0, 1, 1], "argmax_check": {"agree": 479, "exact": 468, "n": 480}}})
+    page = render_html("diagnose tiny.gguf", [logits])
+    assert "argmax agreement per position, exact; the check, over every prompt: 479/480 agree, 468 exactly and 11 " \
+           "flips" in page

@@ -261,6 +261,12 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
         if len(prefill_checks) > 1:  # the per-position limit, drawn on the KL plots
             for entry in logits_stage.info["per_position"]:
                 entry["kl_limit"] = prefill_checks[1].stats["limit"]
+        argmax = next((r for r in prefill_checks if r.check == "logits.argmax"), None)
+        if argmax is not None:  # what the argmax check counted, said on its plot (exact rows plotted)
+            n = int(argmax.stats["n"])
+            for entry in logits_stage.info["per_position"]:
+                entry["argmax_check"] = {"agree": round(argmax.stats["agreement"] * n), "exact":
+                                         round(argmax.stats["exact"] * n), "n": n}
         if generations:
             say(f"scoring {len(generations)} greedy continuations on {reference.name} (decode vs reference)")
             decode_pairs = [(_ambiguous_onwards(reference_score(g.sequence), g), g.steps) for g in generations]

@@ -144,7 +144,12 @@ def _plots(stages: Iterable[StageReport]) -> list[str]:
                     out.append(line_chart(f"KL(reference || engine) per position{name}", series, log_y=True,
                                           x_label="position: token", x_ticks=run.get("tokens")))
                 if run.get("argmax_agree"):
-                    out.append(line_chart(f"argmax agreement per position{name}",
+                    judged = run.get("argmax_check")
+                    said = "" if not judged else (
+                        f"; the check, over every prompt: {judged['agree']}/{judged['n']} agree, {judged['exact']} "
+                        f"exactly" + (f" and {judged['agree'] - judged['exact']} flips the engine's own KL explains"
+                                      if judged["agree"] > judged["exact"] else ""))
+                    out.append(line_chart(f"argmax agreement per position, exact{name}{said}",
                                           [("agree (1) / differ (0)",
                                             [None if v is None else float(v) for v in run["argmax_agree"]])],
                                           y_range=(0.0, 1.0), x_label="position: token",
