@@ -101,3 +101,13 @@ def test_the_argmax_plot_says_what_its_check_counted():
     page = render_html("diagnose tiny.gguf", [logits])
     assert "argmax agreement per position, exact; the check, over every prompt: 479/480 agree, 468 exactly and 11 " \
            "flips" in page
+
+
+def test_the_per_layer_plot_names_the_layer_its_check_names():
+    """issue 38 item 5: the check names the layer closest to its limit (error / limit), which
+    need not be the plot's highest error; the plot's title names the same layer."""
+    layers = StageReport("layers", info={"per_layer": [
+        {"layer": 0, "error": 1e-3, "baseline": 1e-4, "limit": 1e-2},   # highest error, 0.1 of its limit
+        {"layer": 1, "error": 4e-4, "baseline": 1e-5, "limit": 5e-4}]})  # lower error, 0.8 of its limit
+    page = render_html("diagnose tiny.gguf", [layers])
+    assert "closest to its limit, as the check reports: layer 1" in page

@@ -125,8 +125,11 @@ def _plots(stages: Iterable[StageReport]) -> list[str]:
     for stage in stages:
         per_layer = stage.info.get("per_layer")
         if per_layer:
+            ratios = [(r["error"] / r["limit"], r["layer"]) for r in per_layer
+                      if r.get("limit") and r.get("error") is not None]
+            closest = f" (closest to its limit, as the check reports: layer {max(ratios)[1]})" if ratios else ""
             out.append(line_chart(
-                f"{stage.stage}: per-layer error vs baseline",
+                f"{stage.stage}: per-layer error vs baseline{closest}",
                 [("engine error", [r.get("error") for r in per_layer]),
                  ("baseline", [r.get("baseline") for r in per_layer])]
                 + ([("limit", [r.get("limit") for r in per_layer])] if any("limit" in r for r in per_layer) else []),

@@ -157,7 +157,8 @@ def _bisect(engine, reference, tokens_list: Sequence[Sequence[int]], baseline_re
     if first is None:
         worst = max(per_layer, key=lambda r: r["error"] / r["limit"])
         report.add(passed("layers.residual", "output",
-                          f"all {n_layer} layers within their limits for this precision class (worst layer {worst['layer']}: "
+                          f"all {n_layer} layers within their limits for this precision class (closest to its limit: "
+                          f"layer {worst['layer']}: "
                           f"error {worst['error']:.3g}, limit {worst['limit']:.3g})" + shortened_note(shortened),
                           stats={"layers": n_layer, "worst_layer": worst["layer"], "error": worst["error"],
                                  "limit": worst["limit"]}))
