@@ -117,24 +117,19 @@ def routing_near_tie_flips(whole: dict, chunked: dict, margin: float) -> list[di
     return [flips[t] for t in sorted(flips)]
 
 
-def traces(engine: Engine, tokens: Sequence[int], chunk_size: int) -> tuple[dict, dict] | None:
-    """(one-prefill, chunked) layer tensors, or None when the engine traces no chunked prefill."""
+def traces(engine: Engine, tokens: Sequence[int], chunk_size: int, *,
+           decode_from: int | None = None) -> tuple[dict, dict] | None:
+    """(one-prefill, other path) layer tensors: the other path is a chunked prefill, or with
+    ``decode_from`` a decode after that many prompt tokens; None when the engine does not
+    trace that path."""
+    tokens = list(tokens)
     try:
-        whole = engine.layer_outputs(list(tokens), KINDS).tensors
-        chunked = engine.chunked_layer_outputs(list(tokens), chunk_size, KINDS).tensors
+        whole = engine.layer_outputs(tokens, KINDS).tensors
+        other = (engine.chunked_layer_outputs(tokens, chunk_size, KINDS) if decode_from is None else
+                 engine.decode_layer_outputs(tokens, decode_from, KINDS)).tensors
     except Unsupported:
         return None
-    return whole, chunked
-
-
-def decode_traces(engine: Engine, tokens: Sequence[int], prompt_length: int) -> tuple[dict, dict] | None:
-    """(one-prefill, decode) layer tensors of ``tokens``, or None when the engine traces no decode."""
-    try:
-        whole = engine.layer_outputs(list(tokens), KINDS).tensors
-        decoded = engine.decode_layer_outputs(list(tokens), prompt_length, KINDS).tensors
-    except Unsupported:
-        return None
-    return whole, decoded
+    return whole, other
 
 
 def localize_decode(engine: Engine, tokens: Sequence[int], prompt_length: int, position: int) -> dict | None:
@@ -142,7 +137,7 @@ def localize_decode(engine: Engine, tokens: Sequence[int], prompt_length: int, p
     step) first leaves the prefill of the same tokens, layer by layer, up to ``position``; None
     when the engine traces no decode steps."""
     tokens = list(tokens)[:position + 1]
-    traced = decode_traces(engine, tokens, prompt_length)
+    traced = traces(engine, tokens, 1, decode_from=prompt_length)
     if traced is None:
         return None
 
