@@ -112,3 +112,87 @@ def test_cuda_block_sums_are_cudas_q8_1_product_computed_from_the_raw_blocks():
     with emulating(Emulation(activations="q8_0", block_sums="unrounded")):
         np.testing.assert_array_equal(linear(x, weight).numpy(), got_cpu)
     assert err(got_cuda) > 1.5 * err(got_cpu), (err(got_cuda), err(got_cpu))
+
+
+def _zeroed_offsets(raw: np.ndarray, qtype: str, quant_bytes: tuple[int, int], block_bytes: int, group: int):
+    """Each group's offset, derived without ggufcheck: gguf-py dequantizes the blocks with their
+    quants zeroed, and what is left is ``o``."""
+    import gguf.quants
+
+    rows = raw.shape[0]
+    z = raw.reshape(rows, -1, block_bytes).copy()
+    z[..., quant_bytes[0]:quant_bytes[1]] = 0
+    left = gguf.quants.dequantize(z.reshape(rows, -1), gguf.GGMLQuantizationType[qtype]).astype(np.float64)
+    return left.reshape(rows, -1, group)[..., 0]  # [out, groups]
+
+
+def _q8(x: np.ndarray, block: int) -> np.ndarray:
+    """x rounded to 8-bit blocks of ``block`` values with an f16 scale, as CUDA's q8_1 stores them."""
+    xb = x.reshape(*x.shape[:-1], -1, block)
+    d = np.abs(xb).max(-1, keepdims=True) / 127.0
+    return (np.round(xb / d) * d.astype(np.float16).astype(np.float64)).reshape(x.shape)
+
+
+def _cuda_form(x, w, offsets, block, group, rounded_tail=0):
+    """``sum((w - o) * r) + o * S`` per group, S the f16 sum of the unrounded x (of the rounded
+    ones for the groups in the last ``rounded_tail`` values of each 128), written out in numpy."""
+    r = _q8(x, block)
+    t, n = x.shape
+    ng = n // group
+    rest = w - np.repeat(offsets, group, axis=-1)
+    kept = x.reshape(t, ng, group).sum(-1).astype(np.float16).astype(np.float64)
+    if rounded_tail:
+        tail = (np.arange(ng) * group) % 128 >= 128 - rounded_tail
+        kept = np.where(tail[None], r.reshape(t, ng, group).sum(-1), kept)
+    return r @ rest.T + kept @ offsets.T
+
+
+@pytest.mark.parametrize("qtype, form, block, group, tail", [
+    ("Q2_K", "cuda-mmq", 64, 16, 32),  # D2S6: scales per 64, sums per 16, the last 32 of 128 rounded
+    ("Q4_K", "cuda-mmq", 32, 32, 0),
+    ("Q4_0", "cuda-mmvq", 32, 32, 0),  # the matrix-vector kernels' -8d offset times ds8.y
+    ("Q5_0", "cuda-mmvq", 32, 32, 0),
+])
+def test_cudas_sum_forms_per_kernel_against_the_product_written_out(qtype, form, block, group, tail):
+    """The emulation of each kernel's arithmetic (precision.SUMS_FORMS) against llama.cpp CUDA's
+    product written out in numpy from offsets gguf-py derives, on random valid blocks; and the
+    same weight under the other kernel's form where that one reads no sums is the plain rounding."""
+    import gguf.quants
+
+    from ggufcheck.gguf.quants.offsets import LAYOUT, group_offsets
+    from ggufcheck.reference.layers import linear
+    from ggufcheck.reference.precision import emulating
+
+    rng = np.random.default_rng(3)
+    n_out, n_in, rows = 16, 256, 5
+    block_bytes = LAYOUT[qtype][0]
+    raw = rng.integers(0, 256, (n_out, n_in // LAYOUT[qtype][1], block_bytes), dtype=np.uint8)
+    f16_at = {"Q2_K": (80, 82), "Q4_K": (0, 2), "Q4_0": (0,), "Q5_0": (0,)}[qtype]
+    for at in f16_at:
+        raw[..., at:at + 2] = np.abs(rng.normal(0, 0.01, raw.shape[:2])).astype(np.float16)[..., None].view(np.uint8)
+    raw = raw.reshape(n_out, -1)
+    quant_bytes = {"Q2_K": (16, 80), "Q4_K": (16, 144), "Q4_0": (2, 18), "Q5_0": (2, 22)}[qtype]
+    offsets = _zeroed_offsets(raw, qtype, quant_bytes, block_bytes, group)
+    w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).astype(np.float64)
+    x = rng.normal(0.1, 1.0, (rows, n_in))
+    want = _cuda_form(x, w, offsets, block, group, tail)
+
+    weight = torch.from_numpy(w.copy())
+    weight.ggml_type = qtype
+    weight.ggml_offsets = lambda: group_offsets(qtype, raw)
+    with emulating(Emulation(activations="q8_0", block_sums=form)):
+        got = linear(torch.from_numpy(x), weight).numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-9 * np.abs(want).max())
+    plain = _q8(x, 32) @ w.T
+    assert np.abs(want - plain).max() > 1e-4 * np.abs(plain).max()  # the forms are different numbers
+    other = "cuda-mmvq" if form == "cuda-mmq" else "cuda-mmq"
+    if qtype in ("Q2_K", "Q4_K", "Q4_0", "Q5_0"):  # each reads sums in one kernel only
+        with emulating(Emulation(activations="q8_0", block_sums=other)):
+            np.testing.assert_allclose(linear(torch.from_numpy(x), weight).numpy(), plain, rtol=0,
+                                       atol=1e-9 * np.abs(plain).max())
+
+
+def test_the_decode_path_takes_its_own_form():
+    e = Emulation(activations="q8_0", kv="f16", block_sums="cuda-mmq", decode_block_sums="cuda-mmvq")
+    assert e.on_decode() == Emulation(activations="q8_0", kv="f16", block_sums="cuda-mmvq")
+    assert Emulation(activations="q8_0").on_decode() == Emulation(activations="q8_0")

@@ -115,7 +115,7 @@ def test_llama_cpp_dialects_take_the_activation_class_from_the_file(tmp_path, qt
 @pytest.mark.parametrize("backend, rounding", [
     ("", {"activations": "q8_0", "kv": "f16"}),
     ("&backend=cpu", {"activations": "q8_0", "kv": "f16"}),
-    ("&backend=cuda", {"activations": "q8_0", "kv": "f16", "block_sums": "unrounded"})])
+    ("&backend=cuda", {"activations": "q8_0", "kv": "f16", "block_sums": "cuda-mmq", "decode_block_sums": "cuda-mmvq"})])
 def test_a_llama_cpp_server_on_cuda_rounds_as_cuda_does(tmp_path, backend, rounding):
     """A server does not say where its matmuls run: ``backend=cuda`` says they run on CUDA, so
     a Q4_1 file's baseline takes CUDA's q8_1 block sums (docs/real-world-cases.md case 4)."""

@@ -18,8 +18,8 @@ F16_CACHE = SimpleNamespace(type_k=1, type_v=1)
 
 
 @pytest.mark.parametrize("qtype,cpu,cuda", [
-    ("Q4_0", "q8_0", "q8_0"), ("Q8_0", "q8_0", "q8_0"), ("IQ4_NL", "q8_0", "q8_0"),
-    ("Q4_K", "q8_k", "q8_0"), ("Q6_K", "q8_k", "q8_0"), ("IQ2_XXS", "q8_k", "q8_0"), ("IQ4_XS", "q8_k", "q8_0"),
+    ("Q8_0", "q8_0", "q8_0"), ("IQ4_NL", "q8_0", "q8_0"),
+    ("Q6_K", "q8_k", "q8_0"), ("IQ2_XXS", "q8_k", "q8_0"), ("IQ4_XS", "q8_k", "q8_0"),
 ])
 def test_activation_rounding_per_backend(tiny_gguf, qtype, cpu, cuda):
     from ggufcheck.checks.quant_matrix import MATRIX_DIMS
@@ -29,16 +29,20 @@ def test_activation_rounding_per_backend(tiny_gguf, qtype, cpu, cuda):
     assert gpu_rounding(path, F16_CACHE) == {"activations": cuda, "kv": "f16"}
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_1"])
+CUDA_SUMS = {"block_sums": "cuda-mmq", "decode_block_sums": "cuda-mmvq"}
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K", "IQ1_S"])
 def test_offset_types_take_cudas_unrounded_block_sums_on_the_gpu_only(tiny_gguf, qtype):
-    """docs/real-world-cases.md case 4: CUDA's q8_1 keeps the activations' block sums before
-    rounding, which a Q4_1 / Q5_1 weight's offset multiplies; the CPU's sums are of the rounded
-    values (the plain emulation)."""
+    """docs/real-world-cases.md case 4: CUDA's q8_1 keeps the activations' group sums before
+    rounding, which a weight's group offset multiplies (in the kernels SUMS_FORMS names for each
+    path); the CPU's sums are of the rounded values (the plain emulation)."""
     from ggufcheck.checks.quant_matrix import MATRIX_DIMS
 
     path = tiny_gguf("llama", qtypes=qtype, **MATRIX_DIMS).path
-    assert rounding(path, F16_CACHE) == {"activations": "q8_0", "kv": "f16"}
-    assert gpu_rounding(path, F16_CACHE) == {"activations": "q8_0", "kv": "f16", "block_sums": "unrounded"}
+    act = "q8_k" if qtype[-1] == "K" or qtype.startswith("IQ") else "q8_0"
+    assert rounding(path, F16_CACHE) == {"activations": act, "kv": "f16"}
+    assert gpu_rounding(path, F16_CACHE) == {"activations": "q8_0", "kv": "f16", **CUDA_SUMS}
 
 
 def test_gpu_rounding_never_imports_torch(tiny_gguf):
@@ -48,10 +52,10 @@ def test_gpu_rounding_never_imports_torch(tiny_gguf):
     import subprocess
     import sys
 
-    from ggufcheck.engines.llama_cpp import CUDA_SUM_TYPES
-    from ggufcheck.reference.precision import OFFSET_TYPES
+    from ggufcheck.engines.llama_cpp import CUDA_MMQ_SUM_TYPES, CUDA_MMVQ_SUM_TYPES
+    from ggufcheck.reference.precision import SUMS_FORMS
 
-    assert CUDA_SUM_TYPES == OFFSET_TYPES
+    assert CUDA_MMQ_SUM_TYPES == set(SUMS_FORMS["cuda-mmq"]) and CUDA_MMVQ_SUM_TYPES == set(SUMS_FORMS["cuda-mmvq"])
     path = tiny_gguf("llama", qtypes="Q4_1", n_embd=256, head_dim=64, n_ff=512).path
     code = ("import sys, types; from ggufcheck.engines.llama_cpp import gpu_rounding; "
             f"print(gpu_rounding({str(path)!r}, types.SimpleNamespace(type_k=1, type_v=1))); "

@@ -5,7 +5,7 @@
 #
 # Stage first, here: bash tools/gpu/stage_llama_cpp.sh   (fills the git-ignored .gpu/)
 # Device call:       bash tools/gpu/llama_cpp_cuda.sh [STEPS]   with carry [".gpu"]
-#   STEPS: comma-separated subset of build,probe,matrix,matrix2,matrix3,lead,chunklead,families,hfprof,recheck,
+#   STEPS: comma-separated subset of build,defectq5k,arith,arithmore,probe,matrix,matrix2,matrix3,lead,chunklead,families,hfprof,recheck,
 #          recheck2,real,realquick,realhttp,reallead,oplead,envtime,server,
 #          oldlead,hf (default: build,probe,matrix,lead,server,oldlead,hf)
 # Writes $OUT/log.txt-style logs per step, $OUT/results.tgz, and on a fresh build the
@@ -30,6 +30,13 @@ export PYTHONPATH=/tmp/site:$PWD/.gpu/site:$PWD/src
 nvidia-smi --query-gpu=name,driver_version,compute_cap --format=csv,noheader; nvcc --version | tail -1
 
 B=/tmp/llb
+if has defectq5k; then  # issue 36 item 1: a one-line defect in the Q5_K matrix-vector kernel (mmvq only:
+  # vec_dot_q5_K_q8_1_impl_vmmq drops the 5th bit of 2 of every 8 values), applied to this copy before the build
+  sed -i 's/const int vh1i = ((vh\[1\] >> i) << 4) \& 0x10101010;/const int vh1i = ((vh[1] >> i) << 4) \& 0x10100000;/' \
+    .gpu/llama.cpp/ggml/src/ggml-cuda/vecdotq.cuh
+  grep -n "const int vh1i" .gpu/llama.cpp/ggml/src/ggml-cuda/vecdotq.cuh | head -2
+  rm -rf .gpu/prebuilt  # never the healthy build
+fi
 if ls .gpu/prebuilt/bin.tar.xz.part* >/dev/null 2>&1; then
   mkdir -p $B && cat .gpu/prebuilt/bin.tar.xz.part* | xz -d | tar -C $B -x && echo "=== unpacked the carried build t=${SECONDS}s"
 elif has build; then
@@ -209,6 +216,18 @@ fi
 if has envtime; then  # where the environment stage's time goes (imports, fatbinary parse, cuobjdump)
   step 120 envtime python3 -m ggufcheck env --device 0 --json $W/envtime.json
   python3 -c "import json; d=json.load(open('$W/envtime.json')); print([ (s['stage'], s['info'].get('time')) for s in d['stages']])"
+fi
+
+if has arith; then  # issue 36 item 1: each path against its stated arithmetic, at two widths
+  TAILN=45 step 200 ar-256 python3 -m ggufcheck quants --engine llama-cpp:n_gpu_layers=99 --json $W/ar-256.json
+  TAILN=45 step 330 ar-1024 python3 -m ggufcheck quants --width 1024 --engine llama-cpp:n_gpu_layers=99 --json $W/ar-1024.json
+fi
+
+if has arithmore; then  # the same in routed experts (MUL_MAT_ID), with a q8_0 KV cache, and the Q5_K rows
+  TAILN=45 step 120 ar-q5k python3 -m ggufcheck quants --types Q5_K,Q4_K,Q6_K --engine llama-cpp:n_gpu_layers=99 --json $W/ar-q5k.json
+  TAILN=30 step 120 ar-q5k-1024 python3 -m ggufcheck quants --width 1024 --types Q5_K --engine llama-cpp:n_gpu_layers=99 --json $W/ar-q5k-1024.json
+  TAILN=45 step 150 ar-moe python3 -m ggufcheck quants --arch qwen3moe --types F16,Q4_0,Q8_0,Q4_K,Q5_K,Q6_K,IQ4_XS --engine llama-cpp:n_gpu_layers=99 --json $W/ar-moe.json
+  TAILN=30 step 120 ar-kvq8 python3 -m ggufcheck quants --types quick --engine llama-cpp:n_gpu_layers=99,flash_attn=1,type_k=8,type_v=8 --json $W/ar-kvq8.json
 fi
 
 if has matrix2; then  # the matrix quiet, then with llama.cpp's log on

@@ -191,6 +191,10 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
                                          progress=say, forced_tables=forced_tables, on_generations=plan_sweep)
         paths_stage.add(results)
         paths_stage.info["baseline"] = path_baseline.source
+        # what the engine generated (the decode checks' rows), kept with the report: the kernel
+        # matrix measures its emulated decode arithmetic on the same rows
+        paths_stage.info["generations"] = [{"prompt_length": len(g.prompt), "tokens": [int(t) for t in g.sequence]}
+                                           for g in generations]
     else:
         paths_stage.add(skipped("paths", "decode", "disabled (--no-paths)"))
 

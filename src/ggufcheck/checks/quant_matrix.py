@@ -17,16 +17,20 @@ and a measured baseline run of the reference emulating where it rounds (for a qu
 type on llama.cpp, activations in 8-bit blocks). Only the weight type changes from row to
 row, so a row that fails where the others pass points at that type's kernels.
 
-Each row also says how its error compares with that emulation alone (``x emulated``): a
-correct kernel that rounds where the engine says it does lands near 1x. The class allowance
-(KL 0.005 for 8-bit activations) is far wider than the emulation on these tiny models, so a
-type whose kernels round several times more than the stated rounding explains passes the
-verdict and is named in a note instead. Measured (docs/real-world-cases.md case 4): llama.cpp's
-CUDA Q4_1 / Q5_1 at ~5x while the engine stated the CPU's rounding, 1.0-1.3x once it stated
-CUDA's q8_1 block sums; Q4_0 / Q5_0 in decode and Q2_K in prefill still named on the H100;
-every CPU row near 1x. Model sizes are
-multiples of 256, so every type (K-quants and IQ types have 256-value blocks) fits each
-matrix without falling back.
+Each path is also judged against the arithmetic the engine states (``x emulated``): the
+reference rounding exactly where the engine says its kernels do (reference.precision: 8-bit
+activation blocks, and on llama.cpp's CUDA backend each kernel's q8_1 sums: the matrix-matrix
+kernels' form for the prefill, the matrix-vector kernels' for the decode). A correct kernel
+lands near 1x; a path over ``multiple x`` its emulation ``+ floor`` (the served stage's formula,
+without the class allowance) FAILS, naming the type and the kernels ("Q5_K decode (matrix-vector
+kernels): 140x its stated arithmetic"). The class allowance (KL 0.015 for 8-bit activations) is
+far wider than the emulation on these tiny models: a kernel two orders of magnitude off its own
+arithmetic passed it. Measured on the H100 (docs/real-world-cases.md case 4,
+benchmarks/results/quants_h100_emulated.txt): CUDA Q4_1 / Q5_1 at ~5x while the engine stated
+the CPU's rounding, Q4_0 / Q5_0 decode at ~4-5x and Q2_K prefill at ~20x before their kernels'
+forms were emulated. Model sizes are multiples of 256, so every type (K-quants and IQ types
+have 256-value blocks) fits each matrix without falling back; ``width`` scales them (errors
+grow with width) and ``arch`` ``qwen3moe`` puts the type in routed experts (``mul_mat_id``).
 """
 
 from __future__ import annotations
@@ -50,6 +54,22 @@ BUILDABLE_TYPES = CUDA_TYPES + ("TQ1_0", "TQ2_0")
 QUICK_TYPES = ("F16", "Q4_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_XS")
 # the tiny model: every matrix's row length a multiple of 256 (n_embd, n_head*head_dim, n_ff)
 MATRIX_DIMS = dict(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_ff=512)
+# the architectures a row can be built as: a dense llama, or a MoE whose routed experts take the
+# type (llama.cpp: the MUL_MAT_ID kernels)
+MATRIX_ARCHS = ("llama", "qwen3moe")
+# the kernels each path exercises (llama.cpp's CUDA backend: mmq / cuBLAS, mmvq / mmvf)
+KERNELS_OF_PATH = {"prefill": "matrix-matrix kernels", "decode": "matrix-vector kernels"}
+
+
+def matrix_dims(width: int = 256, arch: str = "llama") -> dict:
+    """The tiny model's dims at ``width`` (n_embd; a multiple of 256): heads of 64, n_ff twice
+    the width; a MoE gets 4 routed experts of width ``width`` (2 used)."""
+    if width % 256:
+        raise ValueError(f"width {width} is not a multiple of 256")
+    dims = dict(MATRIX_DIMS, n_embd=width, n_head=width // 64, n_head_kv=max(1, width // 128), n_ff=2 * width)
+    if arch == "qwen3moe":
+        dims.update(n_expert=4, n_expert_used=2, n_ff_exp=width)
+    return dims
 # the checks that speak for a type's kernels, with the path each one exercises
 PATH_OF_CHECK = {
     "logits.kl_mean": "prefill",
@@ -73,6 +93,8 @@ class MatrixOptions:
     new_tokens: int = 8
     sweep_to: int = 0  # the prefill length sweep (0: none; the rows are about kernels)
     workdir: Path | None = None  # where the tiny models are written (default: a temporary folder)
+    width: int = 256  # n_embd of the tiny models (matrix_dims)
+    arch: str = "llama"  # MATRIX_ARCHS
 
 
 @dataclass
@@ -86,53 +108,69 @@ class MatrixRow:
     argmax: float | None = None
     decode_kl: float | None = None
     prefill_vs_decode_kl: float | None = None
-    emulation_kl: float | None = None  # the reference emulating the engine's class vs fp64
+    emulation_kl: float | None = None  # the reference emulating the engine's class vs fp64 (mean, served stage)
+    # per path, on the same rows (those no routing / indexer near-tie of the reference reaches):
+    # (the engine's mean KL, the mean KL of the reference computing the path's stated arithmetic)
+    arithmetic: dict[str, tuple[float, float]] = field(default_factory=dict)
     failed_paths: list[str] = field(default_factory=list)
     message: str = ""
     stages: list[StageReport] = field(default_factory=list)
 
-    def times_emulated(self, path: str = "prefill") -> float | None:
-        """The path's KL over the emulation's (1: rounds exactly as much as its class says)."""
-        kl = self.prefill_kl if path == "prefill" else self.decode_kl
-        if kl is None or not self.emulation_kl:
-            return None
-        return kl / self.emulation_kl
+    def path_emulation(self, path: str) -> float | None:
+        """The KL of the reference computing ``path``'s stated arithmetic against fp64."""
+        return self.arithmetic[path][1] if path in self.arithmetic else None
 
-    def emulation_limit(self) -> float | None:
-        """The limit the emulation alone would give (``multiple * emulation + floor``, the served
-        stage's formula without the class allowance's widening)."""
+    def times_emulated(self, path: str = "prefill") -> float | None:
+        """The path's KL over its emulation's on the same rows (1: rounds exactly as much as the
+        engine says)."""
+        kl = self.arithmetic[path][0] if path in self.arithmetic else None
+        emulated = self.path_emulation(path)
+        if kl is None or not emulated:
+            return None
+        return kl / emulated
+
+    def emulation_limit(self, path: str = "prefill") -> float | None:
+        """The limit the path's emulation alone gives (``multiple * emulation + floor``, the
+        served stage's formula without the class allowance's widening)."""
         from ggufcheck.checks.logits import LogitTolerance
 
         tol = LogitTolerance()
-        return None if self.emulation_kl is None else tol.multiple * self.emulation_kl + tol.kl_floor
+        emulated = self.path_emulation(path)
+        return None if emulated is None else tol.multiple * emulated + tol.kl_floor
 
     def rounding_excess(self) -> dict[str, float]:
-        """The paths whose KL exceeds :meth:`emulation_limit`, with their ratio to the emulation."""
-        own = self.emulation_limit()
-        if own is None:
-            return {}
-        return {path: ratio for path, kl in (("prefill", self.prefill_kl), ("decode", self.decode_kl))
-                if kl is not None and kl > own and (ratio := self.times_emulated(path)) is not None}
+        """The paths whose KL exceeds their :meth:`emulation_limit`, with the ratio to their emulation."""
+        out = {}
+        for path, (kl, _emulated) in self.arithmetic.items():
+            limit = self.emulation_limit(path)
+            if kl is not None and limit is not None and kl > limit and (ratio := self.times_emulated(path)):
+                out[path] = ratio
+        return out
 
-    def rounding_note(self) -> str:
-        """The note naming a type whose paths round more than the stated rounding explains ("" if none)."""
-        excess = self.rounding_excess()
-        if not excess:
-            return ""
+    def rounding_finding(self) -> str:
+        """The finding naming the paths that compute off their stated arithmetic ("" if none)."""
         from ggufcheck.checks.logits import LogitTolerance
 
         tol = LogitTolerance()
-        paths = ", ".join(f"{path} {ratio:.1f}x" for path, ratio in excess.items())
-        allowance = f", within the class allowance {self.prefill_limit:.3g}" if self.prefill_limit is not None else ""
-        return (f"rounds more than its class explains: {paths} the KL of the reference emulating that "
-                f"rounding ({self.emulation_kl:.2g}; {tol.multiple:g}x + {tol.kl_floor:g} = "
-                f"{self.emulation_limit():.2g}){allowance}")
+        found = []
+        for path, ratio in self.rounding_excess().items():
+            found.append(f"{self.qtype} {path} ({KERNELS_OF_PATH[path]}): {ratio:.1f}x the KL of its stated "
+                         f"arithmetic (the reference computing it: {self.path_emulation(path):.2g}; limit "
+                         f"{tol.multiple:g}x + {tol.kl_floor:g} = {self.emulation_limit(path):.2g})")
+        if not found:
+            return ""
+        allowance = (f"; within the class allowance {self.prefill_limit:.3g}, which a kernel this far off its "
+                     "own arithmetic passes" if self.prefill_limit is not None else "")
+        return "; ".join(found) + allowance
 
     def result(self) -> Result:
         stats = {k: v for k, v in (("prefill_kl", self.prefill_kl), ("prefill_limit", self.prefill_limit),
                                    ("argmax", self.argmax), ("decode_kl", self.decode_kl),
                                    ("prefill_vs_decode_kl", self.prefill_vs_decode_kl),
-                                   ("emulation_kl", self.emulation_kl)) if v is not None}
+                                   ("emulation_kl", self.emulation_kl),
+                                   ) if v is not None}
+        if self.arithmetic:  # per path: [the engine's KL, the stated arithmetic's KL] on the same rows
+            stats["arithmetic"] = {path: list(pair) for path, pair in self.arithmetic.items()}
         if self.failed_paths:
             stats["failed_paths"] = list(self.failed_paths)
         excess = self.rounding_excess()
@@ -141,12 +179,17 @@ class MatrixRow:
         return Result(f"quant_matrix[{self.qtype}]", self.status, "dequant", self.message, stats=stats)
 
 
-def build_model(qtype: str, folder: Path, seed: int = 0) -> Path:
-    """The tiny llama model of one row: every 2-D layer weight and the head in ``qtype``."""
+def build_model(qtype: str, folder: Path, seed: int = 0, width: int = 256, arch: str = "llama") -> Path:
+    """The tiny model of one row: every 2-D layer weight (a MoE's routed experts included) and
+    the head in ``qtype``."""
     from ggufcheck.synthetic.tiny import build_tiny_gguf
 
-    path = folder / f"matrix-{qtype.lower()}.gguf"
-    built = build_tiny_gguf("llama", path, qtypes=qtype, seed=seed, **MATRIX_DIMS)
+    suffix = "" if (width, arch) == (256, "llama") else f"-{arch}-{width}"
+    path = folder / f"matrix-{qtype.lower()}{suffix}.gguf"
+    # a MoE's router stays F32: what it selects is not the type's kernels, and a quantized router's
+    # near-ties would leave most rows unjudged
+    qtypes = {"default": qtype, "ffn_gate_inp": "F32"} if arch != "llama" else qtype
+    built = build_tiny_gguf(arch, path, qtypes=qtypes, seed=seed, **matrix_dims(width, arch))
     if built.fallbacks:  # the dims are chosen so that none falls back; say so if one did
         raise AssertionError(f"{qtype}: tensors fell back to another type: {', '.join(built.fallbacks)}")
     return path
@@ -157,8 +200,10 @@ def _kl_mean(result: Result | None) -> float | None:
     return float(kl["mean"]) if isinstance(kl, dict) and "mean" in kl else None
 
 
-def summarize(qtype: str, stages: list[StageReport]) -> MatrixRow:
-    """A row from the served stage's reports for one type's model."""
+def summarize(qtype: str, stages: list[StageReport],
+              arithmetic: dict[str, tuple[float, float]] | None = None) -> MatrixRow:
+    """A row from the served stage's reports for one type's model, and each path's KL against
+    that of its stated arithmetic (:func:`path_arithmetic`)."""
     by_check = {r.check: r for stage in stages for r in stage.results}
     failed = [r for r in by_check.values() if r.failed and r.check.startswith(("logits.", "paths."))]
     paths = sorted({PATH_OF_CHECK.get(r.check, r.check) for r in failed if r.check != "logits.path_blame"})
@@ -172,18 +217,109 @@ def summarize(qtype: str, stages: list[StageReport]) -> MatrixRow:
         decode_kl=_kl_mean(by_check.get("logits.decode_kl_mean")),
         prefill_vs_decode_kl=_kl_mean(by_check.get("paths.prefill_vs_decode")),
         emulation_kl=float(measured["kl_mean"]) if measured else None,
+        arithmetic=dict(arithmetic or {}),
         failed_paths=paths,
     )
     blame = by_check.get("logits.path_blame")
+    finding = row.rounding_finding()
     if failed:
         row.message = (blame.message if blame is not None and blame.failed else
                        "; ".join(f"{r.check}: {r.message}" for r in failed[:2]))
+        if finding:
+            row.message += "; " + finding
+    elif finding:
+        row.message = finding
     else:
-        row.message = "prefill, decode and chunked prefill agree with the reference"
-        note = row.rounding_note()
-        if note:
-            row.message += "; " + note
+        row.message = "prefill, decode and chunked prefill agree with the reference and with their stated arithmetic"
+    if finding:
+        row.status = Status.FAIL
+        row.failed_paths = sorted({*row.failed_paths, *(f"{path} arithmetic" for path in row.rounding_excess())})
     return row
+
+
+def path_arithmetic(session, stages: list[StageReport]) -> dict[str, tuple[float, float]]:
+    """Per path, on the same rows: the engine's mean KL against fp64 and that of the reference
+    computing the path's stated arithmetic. Prefill: the prompts in one forward each; decode:
+    the engine's own generations (kept by the paths stage) as it decodes them, and the emulation
+    fed them the same way (an engine that states a decode form of its own,
+    Emulation.decode_block_sums, is emulated in it: the prompt in one forward, then one token per
+    forward, as the engine decoded). Rows from a routing / indexer near-tie of
+    the reference onward are left out on both sides (a MoE's flip is not a kernel's arithmetic).
+    Empty without an emulation (the engine states none) or a reference."""
+    import numpy as np
+
+    emulation = session.emulation().get("emulate")
+    spec = session.options.baseline
+    if emulation is None or spec.split(":")[0] != "reference" or session.reference() is None:
+        return {}
+    from ggufcheck.engines.spec import open_engine
+
+    reference, engine = session.reference(), session.engine()
+    emulated = open_engine(spec, session.options.model, **session.semantics(), emulate=emulation,
+                           device=session.reference_device)
+    out: dict[str, tuple[float, float]] = {}
+    try:
+        rows = [_row_kls(reference.score(p), engine.score(p), emulated.score(p), 0) for p in session.tokens()]
+        out["prefill"] = _means(rows)
+        generations = next((s.info.get("generations") for s in stages if s.info.get("generations")), None) or []
+        rows = []
+        for g in generations:
+            prompt = g["tokens"][:g["prompt_length"]]
+            steps = len(g["tokens"]) - len(prompt)
+            decoded = engine.generate(prompt, steps)  # the engine's decode rows (greedy: the same tokens)
+            tokens = [int(t) for t in decoded.sequence]
+            rows.append(_row_kls(reference.score(tokens), decoded.steps, emulated.score_decoded(tokens, len(prompt)),
+                                 len(prompt) - 1))
+        out["decode"] = _means(rows)
+    finally:
+        emulated.close()
+    return {path: pair for path, pair in out.items() if pair is not None}
+
+
+def _row_kls(reference, engine_table, emulated_table, start: int):
+    """(KL per row of the engine, of the emulation) against ``reference`` on rows ``start``..,
+    both rows present, and no near-tie of the reference at or before them (from ``start``)."""
+    import numpy as np
+
+    from ggufcheck.checks.logits import compare_tables
+
+    n = len(reference.tokens)
+    keep = np.zeros(n, dtype=bool)
+    keep[start:n - 1] = True
+    if reference.ambiguous is not None:
+        tied = np.flatnonzero(reference.ambiguous[start:])
+        if len(tied):
+            keep[start + int(tied[0]):] = False
+    for table in (engine_table, emulated_table):
+        if table.present is not None:
+            keep &= table.present
+    if not keep.any():
+        return None
+    kls = []
+    for table in (engine_table, emulated_table):
+        part = compare_tables(_only(reference, keep), table)
+        kls.append(np.asarray(part["kl"], dtype=np.float64))
+    return kls
+
+
+def _only(table, rows):
+    from dataclasses import replace
+
+    present = rows if table.present is None else (table.present & rows)
+    return replace(table, present=present, ambiguous=None)
+
+
+def _means(rows) -> tuple[float, float] | None:
+    import numpy as np
+
+    rows = [r for r in rows if r is not None]
+    if not rows:
+        return None
+    engine = np.concatenate([r[0] for r in rows])
+    emulated = np.concatenate([r[1] for r in rows])
+    if not len(engine) or not len(emulated):
+        return None
+    return float(np.mean(engine)), float(np.mean(emulated))
 
 
 def run_row(qtype: str, options: MatrixOptions, folder: Path, say: Progress) -> MatrixRow:
@@ -194,12 +330,13 @@ def run_row(qtype: str, options: MatrixOptions, folder: Path, say: Progress) -> 
     from ggufcheck.engines.base import Unsupported
     from ggufcheck.errors import EngineUnreachable, GGUFCheckError, Unavailable
 
-    path = build_model(qtype, folder, options.seed)
+    path = build_model(qtype, folder, options.seed, options.width, options.arch)
     session = Session(DiagnoseOptions(
         model=path, engine=options.engine, max_prompts=options.max_prompts, max_tokens=options.max_tokens,
         new_tokens=options.new_tokens, decode_to=0, sweep_to=options.sweep_to, sanity=False), say)
     try:
         stages = run_served(session)
+        arithmetic = path_arithmetic(session, stages)
     except Unsupported as err:  # the engine declines the type: not a wrong kernel
         return MatrixRow(qtype, Status.SKIP, message=f"the engine cannot run {qtype}: {err}")
     except Unavailable:
@@ -211,7 +348,7 @@ def run_row(qtype: str, options: MatrixOptions, folder: Path, say: Progress) -> 
         return MatrixRow(qtype, Status.SKIP, message=f"the engine cannot run {qtype}: {err}")
     finally:
         session.close()
-    return summarize(qtype, stages)
+    return summarize(qtype, stages, arithmetic)
 
 
 def run_matrix(options: MatrixOptions, say: Progress = lambda _m: None,

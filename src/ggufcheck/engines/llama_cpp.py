@@ -144,12 +144,13 @@ VEC_DOT_Q8_0 = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q8_1", "IQ4_N
 
 def gpu_rounding(model_path: str | Path, params: Any) -> dict[str, str]:
     """Where llama.cpp's CUDA backend rounds: the activations of quantized matmuls to Q8_1
-    (blocks of 32, emulated as Q8_0) for every quant type, with the block sums of the
-    activations before rounding where a Q4_1 / Q5_1 weight's offset multiplies them
-    (``block_sums``; docs/real-world-cases.md case 4: ~5x the CPU's KL on those types); F16 /
-    BF16 weights' matmuls in f16 / bf16 (cuBLAS); the KV cache as on CPU. (Q4_0 / Q5_0 read the
-    sums too, in the matrix-vector kernels only: decode, which the prefill's baseline does not
-    emulate.)"""
+    (blocks of 32, emulated as Q8_0) for every quant type, with the group sums of the
+    activations taken before rounding where a weight's group offset multiplies them: on a
+    prefill the matrix-matrix kernels' form (``block_sums`` ``cuda-mmq``: Q4_1, Q5_1, Q4_K, Q5_K,
+    IQ1_S, and Q2_K with sums of 16 and scales of 64), on a decode step the matrix-vector
+    kernels' (``decode_block_sums`` ``cuda-mmvq``: Q4_0, Q5_0, Q4_1, Q5_1, IQ1_S); reference/
+    precision.py SUMS_FORMS, docs/real-world-cases.md case 4. F16 / BF16 weights' matmuls in
+    f16 / bf16 (cuBLAS); the KV cache as on CPU."""
     from ggufcheck.gguf.reader import open_gguf  # not reference.precision: it imports torch, which a
     # CUDA libllama must never meet in its process (engines/isolated.py)
 
@@ -161,14 +162,17 @@ def gpu_rounding(model_path: str | Path, params: Any) -> dict[str, str]:
     elif act in ("f16", "bf16"):
         out["outputs"] = act
     with open_gguf(model_path) as model:
-        if any(t.qtype.name in CUDA_SUM_TYPES for t in model.tensors.values() if len(t.ne) >= 2):
-            out["block_sums"] = "unrounded"
+        types = {t.qtype.name for t in model.tensors.values() if len(t.ne) >= 2}
+    if types & (CUDA_MMQ_SUM_TYPES | CUDA_MMVQ_SUM_TYPES):
+        out["block_sums"] = "cuda-mmq"
+        out["decode_block_sums"] = "cuda-mmvq"
     return out
 
 
-# the weight types whose offset multiplies CUDA's q8_1 block sums on every path
-# (reference.precision.OFFSET_TYPES, which this module cannot import: torch)
-CUDA_SUM_TYPES = frozenset({"Q4_1", "Q5_1"})
+# the weight types whose group offsets multiply CUDA's q8_1 sums, per kernel (reference.precision.
+# SUMS_FORMS, which this module cannot import: torch; a test keeps the two equal)
+CUDA_MMQ_SUM_TYPES = frozenset({"Q4_1", "Q5_1", "Q4_K", "Q5_K", "IQ1_S", "Q2_K"})
+CUDA_MMVQ_SUM_TYPES = frozenset({"Q4_0", "Q5_0", "Q4_1", "Q5_1", "IQ1_S"})
 
 
 GGML_TYPE_CLASS = {0: "fp32", 1: "fp16", 30: "bf16"}  # KV cache types; any other (Q8_0, Q4_0, ...) is q8

@@ -9,6 +9,7 @@ decode through its KV cache; ``layer_outputs`` comes from its recorded trace.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -122,6 +123,20 @@ class ReferenceEngine(GGUFVocabTokenizer, Engine):
         with self._torch.no_grad():
             parts = [self.model.forward(tokens[i:i + chunk_size], cache)[0] for i in range(0, len(tokens), chunk_size)]
         return self._table(tokens, self._torch.cat(parts, dim=0))
+
+    def score_decoded(self, tokens: Sequence[int], prompt_length: int, *, top_k: int = 20) -> TokenLogprobs:
+        """Teacher-forced as a decode computes it: the first ``prompt_length`` tokens in one
+        forward, then one token per forward through the cache (each row as ``generate`` would
+        compute it, for given tokens); the rows before the last prompt token are not reported."""
+        tokens = [int(t) for t in tokens]
+        cache = self._decode_cache(prompt_length)
+        with self._torch.no_grad():
+            parts = [self.model.forward(tokens[:prompt_length], cache)[0]]
+            parts += [self.model.forward([t], cache)[0] for t in tokens[prompt_length:]]
+        table = self._table(tokens, self._torch.cat(parts, dim=0))
+        present = np.zeros(len(tokens), dtype=bool)
+        present[prompt_length - 1:] = True
+        return replace(table, present=present)
 
     def _chunk_cache(self):
         """The KV cache a chunked prefill runs through (fault engines substitute a broken one)."""

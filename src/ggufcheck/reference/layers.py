@@ -165,10 +165,14 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     emulation = current_emulation()
     if emulation is None:
         return torch.nn.functional.linear(x, weight, bias)
-    rounded = round_as(x, emulation.activations)
+    form = emulation.sums_form(weight)  # a CUDA q8_1 form that reads this weight's group offsets
+    kind = emulation.activations
+    if form is not None and form.scale_block == 64 and kind in ("q8_0", "q8_k"):
+        kind = "q8_64"  # Q2_K's matrix-matrix kernels: one 8-bit scale per 64 activations
+    rounded = round_as(x, kind)
     y = torch.nn.functional.linear(rounded, weight, bias)
-    if emulation.block_sums == "unrounded":
-        error = unrounded_sums_error(x, rounded, weight)
+    if form is not None and kind is not None:
+        error = unrounded_sums_error(x, rounded, weight, form)
         if error is not None:
             y = y - error
     return round_as(y, emulation.outputs)

@@ -136,18 +136,23 @@ class ReferenceModel:
     def _layer(self, i: int, h: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache, shared: dict,
                release: bool = True) -> LayerOutput:
         w = self.weights.layer(i)
-        with emulating(self.emulation):
+        with emulating(self._emulation_for(h.shape[0])):
             out = self.family.forward_layer(self.cfg, i, w, h, self.rope(q_pos, i), q_pos, k_pos, cache.layer(i), shared)
         del w
         if release:
             self.weights.release(i)
         return out
 
+    def _emulation_for(self, tokens: int) -> Emulation | None:
+        """The emulated engine's arithmetic for a forward over ``tokens`` tokens (precision.py:
+        small batches take its matrix-vector kernels' form)."""
+        return None if self.emulation is None else self.emulation.for_batch(tokens)
+
     def head(self, hidden: Tensor) -> Tensor:
         """Final norm and output head: residual [T, D] -> logits [T, vocab]."""
         x = rms_norm(hidden, self.weights.global_tensor("output_norm.weight"), self.cfg.rms_eps)
         logits = torch.empty((x.shape[0], self.cfg.n_vocab), dtype=x.dtype, device=x.device)  # filled in place:
-        with emulating(self.emulation):  # a [T, V] concatenation would hold the logits twice
+        with emulating(self._emulation_for(x.shape[0])):  # a [T, V] concatenation would hold the logits twice
             for start, w in self.weights.head_chunks(HEAD_CHUNK_ROWS):
                 logits[:, start:start + w.shape[0]] = linear(x, w)  # [T, rows]
         cap = self.cfg.final_softcap

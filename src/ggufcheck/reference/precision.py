@@ -13,11 +13,17 @@ being judged, and its error against fp64 becomes that run's expected error:
 - ``bf16`` / ``fp16``: every matmul's input and output, and the KV cache, in that type;
 - ``gelu`` ``f16``: ggml's CPU GELU is a table over f16 inputs with f16 values
   (``GGML_GELU_FP16`` in ggml-cpu/vec.h), whatever the weights: gemma's GeGLU rounds there;
-- ``block_sums`` ``unrounded``: llama.cpp's CUDA q8_1 form for weights with a per-block
-  offset (Q4_1 / Q5_1: ``w = d*q + m``). Its quantizers (``quantize_q8_1``,
-  ``quantize_mmq_q8_1``) keep each 32-block's sum of the activations BEFORE rounding (in f16),
-  where the CPU's keep the sum of the rounded ones; the offset term ``m * sum`` then no longer
-  cancels the rounding's common mode, ~5x the CPU's KL on these types (docs/real-world-cases.md).
+- ``block_sums``: llama.cpp's CUDA q8_1 forms for weights with a group offset
+  (``w = u*q + o``, gguf/quants/offsets.py). Its quantizers (``quantize_q8_1``,
+  ``quantize_mmq_q8_1``) keep each group's sum of the activations BEFORE rounding (in f16),
+  where the CPU's keep the sum of the rounded ones; the offset term ``o * sum`` then no longer
+  cancels the rounding's common mode (~5x the CPU's KL on Q4_1 / Q5_1, docs/real-world-cases.md).
+  Which types read which sums depends on the kernel (:data:`SUMS_FORMS`, from ggml-cuda's
+  sources): ``cuda-mmq`` (the matrix-matrix kernels of a prefill: Q4_1, Q5_1, Q4_K, Q5_K, IQ1_S,
+  and Q2_K with sums per 16 values and activation scales per 64), ``cuda-mmvq`` (the
+  matrix-vector kernels of a decode step: Q4_0, Q5_0, Q4_1, Q5_1, IQ1_S), ``unrounded`` (Q4_1 /
+  Q5_1 only: the form both share). ``decode_block_sums`` names the decode path's form where
+  it differs from the prefill's (:meth:`Emulation.on_decode`).
 
 It is an emulation of the rounding's size, not of the engine's exact arithmetic, so the
 diagnosis only ever widens a stated allowance with it (checks.compare.combined_baseline),
@@ -28,7 +34,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import torch
@@ -38,8 +44,34 @@ from torch import Tensor
 K_QUANTS = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"})
 UNQUANTIZED = frozenset({"F32", "F16", "BF16", "F64"})
 # the types whose blocks carry an offset next to the scale (w = d*q + m): where block sums of
-# the activations enter a product (block_sums)
+# the activations enter a product (block_sums "unrounded")
 OFFSET_TYPES = frozenset({"Q4_1", "Q5_1"})
+
+
+@dataclass(frozen=True)
+class SumsForm:
+    """How one weight type's integer kernel multiplies its group offsets with activation sums:
+    ``group`` values per offset and per kept (unrounded, f16) sum; ``scale_block`` activations
+    per 8-bit scale; ``rounded_tail``: in each 128 values, the last this many take the sum of
+    the rounded values instead (Q2_K's mmq: its q8_1 layout D2S6 keeps six sums of 16)."""
+
+    group: int = 32
+    scale_block: int = 32
+    rounded_tail: int = 0
+
+
+_LEGACY = SumsForm()
+# from ggml-cuda (llama.cpp, ggml 0.25): vecdotq.cuh's vec_dot_*_q8_1 for the matrix-vector
+# kernels (q4_0: ``d4 * (sumi * ds8.x - 8 * ds8.y)``; the K-quants' mmvq forms sum the rounded
+# values with dp4a), mmq.cuh's layouts (mmq_get_q8_1_ds_layout: DS4 for Q4_1 / Q5_1 / Q4_K /
+# Q5_K / IQ1_S, D2S6 for Q2_K) and quantize.cu's quantize_mmq_q8_1 for the matrix-matrix ones
+# (Q4_0 / Q5_0 load their quants centred there: no sums)
+SUMS_FORMS: dict[str, dict[str, SumsForm]] = {
+    "unrounded": {"Q4_1": _LEGACY, "Q5_1": _LEGACY},
+    "cuda-mmq": {"Q4_1": _LEGACY, "Q5_1": _LEGACY, "Q4_K": _LEGACY, "Q5_K": _LEGACY, "IQ1_S": _LEGACY,
+                 "Q2_K": SumsForm(group=16, scale_block=64, rounded_tail=32)},
+    "cuda-mmvq": {"Q4_0": _LEGACY, "Q5_0": _LEGACY, "Q4_1": _LEGACY, "Q5_1": _LEGACY, "IQ1_S": _LEGACY},
+}
 
 
 @dataclass(frozen=True)
@@ -51,17 +83,38 @@ class Emulation:
     outputs: str | None = None  # a matmul's result
     kv: str | None = None  # what the KV cache stores
     gelu: str | None = None  # the GELU's input and value ("f16": ggml's CPU table)
-    # "unrounded": a Q4_1 / Q5_1 weight's offset multiplies the block sum of the activations
-    # before rounding (llama.cpp CUDA's q8_1 form); other weights are unchanged
+    # a key of SUMS_FORMS: which weight types' offsets multiply the activations' sums before
+    # rounding (llama.cpp CUDA's q8_1 forms); other weights are unchanged
     block_sums: str | None = None
+    # the decode path's form where it differs (None: the same as block_sums): a forward of at
+    # most ``decode_batch_max`` tokens takes it (llama.cpp CUDA: MMVQ_MAX_BATCH_SIZE, 8)
+    decode_block_sums: str | None = None
+    decode_batch_max: int = 8
 
     def describe(self) -> str:
         parts = [f"{what} {kind}" for what, kind in (("activations", self.activations),
                                                        ("matmul outputs", self.outputs),
                                                        ("KV cache", self.kv),
                                                        ("GELU", self.gelu),
-                                                       ("block sums", self.block_sums)) if kind]
+                                                       ("block sums", self.block_sums),
+                                                       ("decode block sums", self.decode_block_sums)) if kind]
         return ", ".join(parts) or "nothing"
+
+    def on_decode(self) -> "Emulation":
+        """The emulation of the decode path (one-token steps: the matrix-vector kernels)."""
+        if self.decode_block_sums is None:
+            return self
+        return replace(self, block_sums=self.decode_block_sums, decode_block_sums=None)
+
+    def for_batch(self, tokens: int) -> "Emulation":
+        """The emulation of a forward over ``tokens`` tokens at once: a small batch computes
+        as a decode step does (the matrix-vector kernels)."""
+        return self.on_decode() if tokens <= self.decode_batch_max else self
+
+    def sums_form(self, weight) -> SumsForm | None:
+        """How ``weight`` (tagged ``ggml_type`` by the WeightStore) multiplies activation sums here."""
+        forms = SUMS_FORMS.get(self.block_sums or "", {})
+        return forms.get(getattr(weight, "ggml_type", None) or "")
 
 
 def round_as(x: Tensor, kind: str | None) -> Tensor:
@@ -70,7 +123,7 @@ def round_as(x: Tensor, kind: str | None) -> Tensor:
         return x
     if kind in ("f16", "bf16"):
         return x.to(torch.float16 if kind == "f16" else torch.bfloat16).to(x.dtype)
-    block = {"q8_0": 32, "q8_k": 256}[kind]
+    block = {"q8_0": 32, "q8_64": 64, "q8_k": 256}[kind]
     n = x.shape[-1]
     if n % block:  # ggml requires whole blocks; a ragged row is left as it is
         return x
@@ -79,28 +132,54 @@ def round_as(x: Tensor, kind: str | None) -> Tensor:
     scale = amax / 127.0
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round(blocks / safe).clamp(-127, 127)
-    if kind == "q8_0":  # ggml keeps the Q8_0 scale in f16
+    if kind in ("q8_0", "q8_64"):  # ggml keeps the Q8_0 scale (and CUDA's D2S6 one) in f16
         safe = safe.to(torch.float16).to(x.dtype)
     return (q * safe).reshape(x.shape)
 
 
-def unrounded_sums_error(x: Tensor, rounded: Tensor, weight: Tensor, block: int = 32) -> Tensor | None:
-    """What llama.cpp's CUDA q8_1 form takes from ``linear(rounded, weight)`` for a Q4_1 / Q5_1
-    weight [out, in]: each 32-block's offset ``m`` (the block's smallest dequantized value: ggml's
-    and gguf-py's Q4_1 / Q5_1 quantizers give the minimum the quant 0) times the difference of
-    the rounded activations' block sum and the kept one (the unrounded sum, stored in f16).
-    CUDA computes ``sum((w - m) * rounded) + m * f16(sum(x))`` per block; the CPU's form
-    ``sum(w * rounded)`` is ``linear(rounded, weight)``. None for a ragged row, and for a weight
-    of another type (``weight.ggml_type``, set by the reference's WeightStore; a weight without
-    it, e.g. one a family rebuilt, is treated as Q4_1 / Q5_1 only when tagged so)."""
+def unrounded_sums_error(x: Tensor, rounded: Tensor, weight: Tensor, form: SumsForm = _LEGACY) -> Tensor | None:
+    """What llama.cpp's CUDA q8_1 form takes from ``linear(rounded, weight)`` for a weight
+    [out, in] with group offsets ``o``: each group's offset times the difference of the rounded
+    activations' group sum and the kept one (the unrounded sum, stored in f16). CUDA computes
+    ``sum((w - o) * rounded) + o * f16(sum(x))`` per group; the CPU's form ``sum(w * rounded)``
+    is ``linear(rounded, weight)``. The offsets come from the weight's own blocks
+    (:func:`weight_offsets`). None for a ragged row, and for a weight without offsets."""
     n = x.shape[-1]
-    if n % block or weight.shape[-1] != n or getattr(weight, "ggml_type", None) not in OFFSET_TYPES:
+    g = form.group
+    if n % g or weight.shape[-1] != n or (form.rounded_tail and n % 128):
         return None
-    nb = n // block
-    rounded_sum = rounded.reshape(*rounded.shape[:-1], nb, block).sum(-1)  # [.., nb]
-    kept_sum = x.reshape(*x.shape[:-1], nb, block).sum(-1).to(torch.float16).to(x.dtype)  # [.., nb]
-    offsets = weight.reshape(weight.shape[0], nb, block).amin(-1).to(x.dtype)  # [out, nb]
-    return (rounded_sum - kept_sum) @ offsets.T  # [.., out]
+    offsets = weight_offsets(weight, g)
+    if offsets is None:
+        return None
+    ng = n // g
+    rounded_sum = rounded.reshape(*rounded.shape[:-1], ng, g).sum(-1)  # [.., ng]
+    kept_sum = x.reshape(*x.shape[:-1], ng, g).sum(-1).to(torch.float16).to(x.dtype)  # [.., ng]
+    if form.rounded_tail:  # these groups' sums come from the rounded values
+        tail = (torch.arange(ng, device=x.device) * g) % 128 >= 128 - form.rounded_tail
+        kept_sum = torch.where(tail, rounded_sum, kept_sum)
+    return (rounded_sum - kept_sum) @ offsets.to(device=x.device, dtype=x.dtype).T  # [.., out]
+
+
+def weight_offsets(weight: Tensor, group: int) -> Tensor | None:
+    """A weight's group offsets [out, in / group]: read from its blocks where the WeightStore
+    said where they are (``ggml_offsets``, computed once and kept on the weight); for a weight
+    tagged Q4_1 / Q5_1 without its blocks (built by hand), the group's smallest value (ggml's
+    and gguf-py's quantizers give the minimum the quant 0). None where neither applies."""
+    cached = getattr(weight, "ggml_offsets_value", None)
+    if cached is not None:
+        return cached
+    source = getattr(weight, "ggml_offsets", None)  # the WeightStore's reader (it keeps what it read)
+    if source is not None:
+        value = torch.from_numpy(source())
+        return value if tuple(value.shape) == (weight.shape[0], weight.shape[-1] // group) else None
+    if getattr(weight, "ggml_type", None) in OFFSET_TYPES:
+        value = weight.reshape(weight.shape[0], -1, group).amin(-1)
+    else:
+        return None
+    if tuple(value.shape) != (weight.shape[0], weight.shape[-1] // group):
+        return None
+    weight.ggml_offsets_value = value
+    return value
 
 
 def gelu_tanh(x: Tensor) -> Tensor:

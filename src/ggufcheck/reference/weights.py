@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from ggufcheck.gguf.dequant import dequantize, dequantize_tensor, dequantize_wide
+from ggufcheck.gguf.quants.offsets import group_offsets, group_size
 from ggufcheck.gguf.reader import GGUFModel, TensorInfo
 
 # a matrix larger than this (working dtype) is multiplied in row blocks of BLOCK_BYTES: small
@@ -290,6 +291,20 @@ def _identity(model: GGUFModel) -> tuple:
     return (path, model.file_size, mtime)
 
 
+class _BlockOffsets:
+    """A weight's group offsets read from its blocks when an emulation first asks (gguf/quants/
+    offsets.py), then kept: what llama.cpp's CUDA q8_1 forms multiply activation sums with."""
+
+    def __init__(self, model, name: str, qtype: str, start: int, stop: int):
+        self.model, self.name, self.qtype, self.start, self.stop = model, name, qtype, start, stop
+        self._value = None
+
+    def __call__(self):
+        if self._value is None:
+            self._value = group_offsets(self.qtype, self.model.raw_rows(self.name, self.start, self.stop))
+        return self._value
+
+
 class WeightStore:
     """Dequantized tensors of one GGUF model in a working dtype on a device.
 
@@ -327,6 +342,8 @@ class WeightStore:
         if t.dtype != self.dtype:  # compact storage, widened for this use (exact: the values are float32)
             wide = t.to(self.dtype)
             wide.ggml_type = t.ggml_type
+            if hasattr(t, "ggml_offsets"):
+                wide.ggml_offsets = t.ggml_offsets
             return wide
         return t
 
@@ -346,6 +363,9 @@ class WeightStore:
         # the stored type, read where an emulated engine rounds by weight type
         # (precision.unrounded_sums_error: only weights with a per-block offset)
         t.ggml_type = info.qtype.name
+        if group_size(info.qtype.name) is not None and len(info.shape) >= 2:  # read where an emulation needs them
+            start, stop = (0, info.n_rows) if rows is None else (rows.start or 0, rows.stop)
+            t.ggml_offsets = _BlockOffsets(self.model, name, info.qtype.name, start, stop)
         if rows is None:
             self.model.release_rows(name)
         else:

@@ -70,6 +70,7 @@ from ggufcheck.errors import UsageError
 from ggufcheck.reference.cache import KVCache, LayerCache, LayerOutput
 from ggufcheck.reference.config import ReferenceConfig
 from ggufcheck.reference.model import ReferenceModel
+from ggufcheck.reference.precision import emulating
 from ggufcheck.reference.weights import WeightStore
 from ggufcheck.sharding.faults import (  # noqa: F401 - re-exported: the layouts the faults use
     KV_B_ALL_K_THEN_V,
@@ -177,8 +178,9 @@ class FaultyReferenceModel(ReferenceModel):
         w = self.weights.layer(i)
         if self.patch.decode_layer_weights is not None and h.shape[-2] == 1 and int(q_pos.reshape(-1)[0]) > 0:
             w = self.patch.decode_layer_weights(self.layer_cfg(i), i, w)  # a one-token step after a prefill
-        return self.family.forward_layer(self.layer_cfg(i), i, w, h, self.rope(q_pos, i), q_pos, k_pos,
-                                         cache.layer(i), shared)
+        with emulating(self._emulation_for(h.shape[-2])):  # an engine's arithmetic, where one is emulated
+            return self.family.forward_layer(self.layer_cfg(i), i, w, h, self.rope(q_pos, i), q_pos, k_pos,
+                                             cache.layer(i), shared)
 
 
 class _CorruptingLayerCache(LayerCache):
@@ -741,14 +743,10 @@ def q4_k_kernel_wrong(model_path: str | Path) -> Engine:
     return wrong_kernel_engine(model_path, "Q4_K")
 
 
-def cuda_q8_1_sums_engine(model_path: str | Path) -> Engine:
-    """The reference rounding as llama.cpp's CUDA backend does on Q4_1 / Q5_1 weights:
-    activations in 8-bit 32-blocks whose block sums are taken before rounding
-    (precision.unrounded_sums_error; docs/real-world-cases.md), KV cache in f16; every other
-    weight as the CPU backend (the form the plain 8-bit emulation models). It claims the 8-bit
-    class and states only the plain emulation as its rounding, so it is judged as the CPU
-    backend is: the kernel matrix must say the offset types round more than that explains,
-    and still pass them."""
+CUDA_FORMS = dict(block_sums="cuda-mmq", decode_block_sums="cuda-mmvq")
+
+
+def _cuda_emulation(model_path: str | Path):
     from dataclasses import replace
 
     from ggufcheck.gguf.reader import open_gguf
@@ -756,11 +754,72 @@ def cuda_q8_1_sums_engine(model_path: str | Path) -> Engine:
 
     with open_gguf(model_path) as g:
         types = matmul_weight_types(g.tensors)
-    emulation = replace(emulation_for("q8", types) or Emulation(), block_sums="unrounded")
-    engine = ReferenceEngine(model_path, dtype="fp32", emulate=emulation)
+    plain = emulation_for("q8", types) or Emulation()
+    # CUDA's q8_1 has 32-value blocks for every quant type (the CPU's Q8_K 256 for K-quants)
+    return replace(plain, activations="q8_0" if plain.activations else None, **CUDA_FORMS)
+
+
+def cuda_q8_1_sums_engine(model_path: str | Path) -> Engine:
+    """The reference computing as llama.cpp's CUDA backend does (activations in 8-bit 32-blocks,
+    each kernel's q8_1 sums: precision.SUMS_FORMS; batches of up to 8 tokens in the matrix-vector
+    kernels' form), KV cache in f16, while it states only the CPU's plain rounding: the kernel
+    matrix must find the types and paths whose arithmetic is not what the engine states
+    (Q4_0 / Q5_0 decode, Q4_1 / Q5_1 both, Q2_K prefill) and pass the others."""
+    from dataclasses import replace
+
+    engine = ReferenceEngine(model_path, dtype="fp32", emulate=_cuda_emulation(model_path))
     engine.capabilities = replace(engine.capabilities, activation_dtype="q8")  # stated rounding: the plain one
-    engine.name = f"reference fp32 with CUDA's q8_1 block sums ({Path(model_path).name})"
+    engine.name = f"reference fp32 with CUDA's q8_1 sums, stating the CPU's rounding ({Path(model_path).name})"
     return engine
+
+
+def cuda_arithmetic_engine(model_path: str | Path) -> Engine:
+    """The same CUDA arithmetic, stated as it is (Capabilities.rounding, as engines.llama_cpp.
+    gpu_rounding states it for a CUDA build): every type must land near 1x its stated arithmetic."""
+    from dataclasses import asdict, replace
+
+    emulation = _cuda_emulation(model_path)
+    engine = ReferenceEngine(model_path, dtype="fp32", emulate=emulation)
+    stated = {k: v for k, v in asdict(emulation).items() if v is not None and k != "decode_batch_max"}
+    engine.capabilities = replace(engine.capabilities, activation_dtype="q8", rounding=stated)
+    engine.name = f"reference fp32 with CUDA's q8_1 sums, stated ({Path(model_path).name})"
+    return engine
+
+
+def subtle_matvec_engine(model_path: str | Path, qtype: str = "Q5_K", error: float = 0.6) -> Engine:
+    """The CUDA arithmetic engine (stated), except that on one-token decode steps every matrix
+    stored as ``qtype`` multiplies with a relative error of ``error`` per weight (fixed noise): a
+    matrix-vector kernel slightly wrong for one type, far inside the class allowance and far
+    outside its own arithmetic (issue 36's Q5_K case)."""
+    import torch
+
+    from ggufcheck.gguf.reader import open_gguf
+
+    engine = cuda_arithmetic_engine(model_path)
+    with open_gguf(model_path) as g:
+        types = {name.split(".", 2)[-1]: t.qtype.name for name, t in g.tensors.items() if name.startswith("blk.")}
+
+    def patch(cfg, i, w):
+        out = dict(w)
+        for key, value in w.items():
+            if types.get(key) == qtype and isinstance(value, torch.Tensor) and value.dim() == 2:
+                noise = torch.randn(value.shape, generator=torch.Generator().manual_seed(i), dtype=torch.float64)
+                out[key] = value * (1 + error * noise.to(value.dtype))
+        return out
+
+    fault = Fault("matvec-subtle", "dequant", f"{qtype} matrix-vector products off by {error:g} per weight",
+                  frozenset(), "decode", build=lambda *a, **k: ModelPatch())
+    faulty = FaultyReferenceEngine(model_path, fault, ModelPatch(decode_layer_weights=patch), dtype="fp32",
+                                   emulate=engine.model.emulation)
+    faulty.capabilities = engine.capabilities
+    faulty.name = f"reference fp32 with a {qtype} matrix-vector kernel off by {error:g} ({Path(model_path).name})"
+    engine.close()
+    return faulty
+
+
+def q5_k_matvec_subtle(model_path: str | Path) -> Engine:
+    """``--engine python:ggufcheck.testing.faults:q5_k_matvec_subtle``: see subtle_matvec_engine."""
+    return subtle_matvec_engine(model_path, "Q5_K")
 
 
 def crashing_engine(model_path: str | Path) -> Engine:
