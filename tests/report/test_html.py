@@ -42,6 +42,16 @@ def test_chart_handles_gaps_and_no_data():
     assert svg.count("<polyline") == 1 and svg.count("<circle") == 1
 
 
+def test_the_legend_sits_beside_the_plot_and_both_axes_are_labelled():
+    """Issue 38 item 5: legends covered the limit line; axes were unlabeled."""
+    svg = line_chart("t", [("engine error", [1.0, 2.0, 3.0]), ("limit", [2.5, 2.5, 2.5])], log_y=True,
+                     x_label="layer", y_label="relative error")
+    axis_end = max(float(x) for x in re.findall(r'<line x1="[\d.]+" y1="[\d.]+" x2="([\d.]+)"', svg))
+    legend_x = [float(x) for x in re.findall(r'<rect x="([\d.]+)"', svg)]
+    assert len(legend_x) == 2 and min(legend_x) > axis_end  # right of the plot area, over no line
+    assert ">layer</text>" in svg and "rotate(-90" in svg and ">relative error</text>" in svg
+
+
 def _chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 

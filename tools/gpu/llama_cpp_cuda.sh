@@ -5,7 +5,7 @@
 #
 # Stage first, here: bash tools/gpu/stage_llama_cpp.sh   (fills the git-ignored .gpu/)
 # Device call:       bash tools/gpu/llama_cpp_cuda.sh [STEPS]   with carry [".gpu"]
-#   STEPS: comma-separated subset of build,defectq5k,arith,arithmore,probe,matrix,matrix2,matrix3,lead,chunklead,families,hfprof,recheck,
+#   STEPS: comma-separated subset of build,defectq5k,provenance,arith,arithmore,probe,matrix,matrix2,matrix3,lead,chunklead,families,hfprof,recheck,
 #          recheck2,real,realquick,realhttp,reallead,oplead,envtime,server,
 #          oldlead,hf (default: build,probe,matrix,lead,server,oldlead,hf)
 # Writes $OUT/log.txt-style logs per step, $OUT/results.tgz, and on a fresh build the
@@ -216,6 +216,25 @@ fi
 if has envtime; then  # where the environment stage's time goes (imports, fatbinary parse, cuobjdump)
   step 120 envtime python3 -m ggufcheck env --device 0 --json $W/envtime.json
   python3 -c "import json; d=json.load(open('$W/envtime.json')); print([ (s['stage'], s['info'].get('time')) for s in d['stages']])"
+fi
+
+if has provenance; then  # issue 37 item 5: what a CUDA build says of the toolkit that compiled it
+  nvcc --version | tail -2
+  for f in $B/bin/libggml-cuda.so*; do [ -f "$f" ] || continue; echo "== $f"
+    strings -n 8 "$f" | grep -i -m8 "cuda compilation tools\|nvcc\|V1[0-9]\.[0-9]*\.[0-9]" | cut -c1-200
+    readelf -d "$f" | grep NEEDED
+    python3 -c "import sys, json; sys.path.insert(0, 'src/ggufcheck/probe/scripts'); import ggufcheck_fatbin as f; r = f.scan_file(sys.argv[1]); print(json.dumps(r)[:1500])" "$f"
+    python3 - "$f" <<'EOF2'
+import sys, struct
+sys.path.insert(0, "src/ggufcheck/probe/scripts")
+import ggufcheck_fatbin as fb
+with open(sys.argv[1], "rb") as f:
+    secs = fb.elf_sections(f)
+    off, size = secs.get(".nv_fatbin", (0, 0))
+    f.seek(off); head = f.read(16 + 160)
+    print("fatbin header + first entry header:", head.hex())
+EOF2
+  done
 fi
 
 if has arith; then  # issue 36 item 1: each path against its stated arithmetic, at two widths

@@ -46,14 +46,16 @@ def line_chart(
     log_y: bool = False,
     y_range: tuple[float, float] | None = None,
     x_label: str = "",
+    y_label: str = "",
     x_ticks: Sequence[str] | None = None,
-    width: int = 720,
+    width: int = 880,
     height: int = 260,
 ) -> str:
-    """A small SVG line chart; None / non-finite points are gaps; a log axis says so in the title."""
+    """A small SVG line chart; None / non-finite points are gaps; a log axis says so in the title.
+    Both axes are labelled; the legend sits right of the plot area, never over a line."""
     if log_y:
         title += " (log scale)"
-    pad_l, pad_r, pad_t, pad_b = 60, 15, 30, 35
+    pad_l, pad_r, pad_t, pad_b = 72, 175, 30, 35
     points = [v for _, ys in series for v in ys if v is not None and math.isfinite(v) and (v > 0 or not log_y)]
     n = max((len(ys) for _, ys in series), default=0)
     if not points or n == 0:
@@ -85,6 +87,10 @@ def line_chart(
         y = pad_t + h * (1 - frac)
         parts.append(f'<text x="{pad_l - 5}" y="{y + 4:.1f}" font-size="10" text-anchor="end">{label}</text>')
     parts.append(f'<text x="{pad_l + w / 2}" y="{height - 5}" font-size="11" text-anchor="middle">{_esc(x_label)}</text>')
+    if y_label:
+        mid = pad_t + h / 2
+        parts.append(f'<text x="14" y="{mid:.1f}" font-size="11" text-anchor="middle" '
+                     f'transform="rotate(-90 14 {mid:.1f})">{_esc(y_label)}</text>')
     if x_ticks:  # a few positions labelled with their token text
         step = max(1, math.ceil(n / 10))
         for i in range(0, min(n, len(x_ticks)), step):
@@ -114,8 +120,9 @@ def line_chart(
             else:
                 pts = " ".join(f"{x:.1f},{y:.1f}" for x, y in seg)
                 parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.6" points="{pts}"/>')
-        parts.append(f'<rect x="{pad_l + w - 150}" y="{8 + 14 * k}" width="10" height="10" fill="{color}"/>'
-                     f'<text x="{pad_l + w - 135}" y="{17 + 14 * k}" font-size="11">{_esc(name)}</text>')
+        legend_x = pad_l + w + 12  # right of the plot area
+        parts.append(f'<rect x="{legend_x}" y="{pad_t + 14 * k}" width="10" height="10" fill="{color}"/>'
+                     f'<text x="{legend_x + 15}" y="{pad_t + 9 + 14 * k}" font-size="11">{_esc(name)}</text>')
     parts.append("</svg>")
     return "".join(parts)
 
@@ -133,7 +140,7 @@ def _plots(stages: Iterable[StageReport]) -> list[str]:
                 [("engine error", [r.get("error") for r in per_layer]),
                  ("baseline", [r.get("baseline") for r in per_layer])]
                 + ([("limit", [r.get("limit") for r in per_layer])] if any("limit" in r for r in per_layer) else []),
-                log_y=True, x_label="layer",
+                log_y=True, x_label="layer", y_label="relative error",
             ))
         per_position = stage.info.get("per_position")
         if per_position:
@@ -145,7 +152,7 @@ def _plots(stages: Iterable[StageReport]) -> list[str]:
                     if run.get("kl_limit"):
                         series.append(("limit (99th percentile)", [run["kl_limit"]] * len(run["kl"])))
                     out.append(line_chart(f"KL(reference || engine) per position{name}", series, log_y=True,
-                                          x_label="position: token", x_ticks=run.get("tokens")))
+                                          x_label="position: token", y_label="KL (nats)", x_ticks=run.get("tokens")))
                 if run.get("argmax_agree"):
                     judged = run.get("argmax_check")
                     said = "" if not judged else (
@@ -155,14 +162,14 @@ def _plots(stages: Iterable[StageReport]) -> list[str]:
                     out.append(line_chart(f"argmax agreement per position, exact{name}{said}",
                                           [("agree (1) / differ (0)",
                                             [None if v is None else float(v) for v in run["argmax_agree"]])],
-                                          y_range=(0.0, 1.0), x_label="position: token",
+                                          y_range=(0.0, 1.0), x_label="position: token", y_label="argmax agrees",
                                           x_ticks=run.get("tokens")))
                 if run.get("entropy"):
                     series = [("engine entropy", run["entropy"])]
                     if run.get("ref_entropy"):
                         series.append(("reference entropy", run["ref_entropy"]))
                     out.append(line_chart(f"entropy per position (nats){name}", series, x_label="position: token",
-                                          x_ticks=run.get("tokens")))
+                                          y_label="entropy (nats)", x_ticks=run.get("tokens")))
     return out
 
 
