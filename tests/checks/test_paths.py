@@ -327,3 +327,8 @@ def test_decode_faults_are_named_at_their_layer_and_block():
         v = d.verdict
         assert (v.component, v.layer) == ("decode", layer), v.message
         assert v.evidence["stats"]["localized"]["block"] == block and "decode step" in v.message, v.message
+        # and the block's matrices with their stored type (issue 36 item 2)
+        prefix = "ffn_" if block == "ffn" else "attn_"
+        matrices = v.evidence["stats"]["localized"]["matrices"]
+        assert set(matrices) == {"F32"} and all(m.startswith(prefix) for m in matrices["F32"]), matrices
+        assert "matrix-vector kernels" in v.message and f"{prefix}" in v.message, v.message

@@ -235,7 +235,35 @@ def where_paths_part(engine: Engine, tokens: Sequence[int], chunk_size: int, pos
     found["text"] = (f"traced layer by layer, {path} first leaves the one prefill at layer {i}, "
                      f"{what}: residual difference {first['max']:.3g} > {allowance:.3g} at position {t}, "
                      f"{where}")
+    matrices = block_matrices(engine, i, block)
+    if matrices:
+        found["matrices"] = matrices
+        kernels = " (in the matrix-vector kernels on a one-token step)" if chunk_size == 1 else ""
+        found["text"] += "; the block's matrices" + kernels + ": " + "; ".join(
+            f"{', '.join(names)} {qtype}" for qtype, names in matrices.items())
     return found
+
+
+def block_matrices(engine: Engine, layer: int, block: str) -> dict[str, list[str]]:
+    """The stored matrices of ``block`` ("attention" / "ffn") in ``layer`` of the engine's GGUF,
+    by quant type ({"Q5_K": ["ffn_gate", "ffn_up"], ...}); empty where the file is unknown."""
+    prefix = {"attention": "attn_", "ffn": "ffn_"}.get(block)
+    path = getattr(engine, "model_path", None) or getattr(getattr(getattr(engine, "model", None), "gguf", None),
+                                                          "path", None)
+    if prefix is None or path is None:
+        return {}
+    from ggufcheck.gguf.reader import open_gguf
+
+    try:
+        with open_gguf(path) as model:
+            found: dict[str, list[str]] = {}
+            for name, info in model.tensors.items():
+                short = name[len(f"blk.{layer}."):] if name.startswith(f"blk.{layer}.") else ""
+                if short.startswith(prefix) and short.endswith(".weight") and len(info.shape) >= 2:
+                    found.setdefault(info.qtype.name, []).append(short[:-len(".weight")])
+            return found
+    except (OSError, ValueError):
+        return {}
 
 
 def localize_chunked(engine: Engine, tokens: Sequence[int], chunk_size: int, position: int,
