@@ -558,15 +558,30 @@ def _detokenizer(*engines: Engine) -> Callable[[Sequence[int]], str] | None:
     return None
 
 
+def compare_options(session: "Session") -> CompareOptions:
+    """The served stage's options from the run's (the switch stage reruns with the same)."""
+    o = session.options
+    return CompareOptions(max_new_tokens=o.new_tokens, run_sanity=o.sanity, run_paths=o.paths,
+                          indexer_top_k=session.indexer_top_k(), top_k=o.top_k, long_decode_to=o.decode_to,
+                          sweep_to=o.sweep_to)
+
+
 def run(session: "Session") -> list[StageReport]:
     """The stage entry point (``served``): the session's engine against the reference on its
     prompts: sanity, logits and paths reports."""
+    return serve(session, session.engine())
+
+
+def serve(session: "Session", engine: Engine, baseline: Engine | None = None) -> list[StageReport]:
+    """The served comparison of ``engine`` (the session's, or another: the switch stage's
+    flipped one, with its own ``baseline`` run) against the session's reference and prompts."""
     from ggufcheck.errors import GGUFCheckError
 
     o = session.options
     indexer_top_k = session.indexer_top_k()
     long_prompt = session.long_prompt(indexer_top_k) if indexer_top_k else None
-    engine, tokens = session.engine(), session.tokens()
+    tokens = session.tokens()
+    given_baseline = baseline
     reference, reason, baseline = None, "--reference none: no reference run", None
     try:
         reference = session.reference()
@@ -575,16 +590,11 @@ def run(session: "Session") -> list[StageReport]:
     independent = reference is not None and o.reference not in ("reference", "reference:fp64")
     if reference is not None and not independent:  # a measured baseline is ggufcheck's reference's own
         try:
-            baseline = session.baseline()
+            baseline = given_baseline if given_baseline is not None else session.baseline()
         except GGUFCheckError as err:
             session.say(f"baseline {o.baseline} unavailable ({err.message}); using stated allowances")
-    stages = run_compare(
-        engine, tokens, reference=reference, reference_reason=reason, baseline_engine=baseline,
-        options=CompareOptions(max_new_tokens=o.new_tokens, run_sanity=o.sanity, run_paths=o.paths,
-                               indexer_top_k=indexer_top_k, top_k=o.top_k, long_decode_to=o.decode_to,
-                               sweep_to=o.sweep_to),
-        progress=session.say, long_prompt=long_prompt,
-    )
+    stages = run_compare(engine, tokens, reference=reference, reference_reason=reason, baseline_engine=baseline,
+                         options=compare_options(session), progress=session.say, long_prompt=long_prompt)
     if independent:  # two implementations: agreement is evidence, a disagreement does not say who is wrong
         for stage in stages:
             if stage.stage == "logits":

@@ -60,6 +60,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "or 0,5,255: only their weights are read from the engine and the file (a 256-expert model audits "
                    "in 1/32 of the time with 0-7); the layers and served stages still run every expert the tokens "
                    "route to")
+    p.add_argument("--switches", choices=("auto", "always", "never"), default="auto",
+                   help="after a served failure (auto), rerun the served comparison with one engine setting flipped "
+                        "at a time (flash_attn=0, an F16 KV cache, n_gpu_layers=0, ...) and name the setting whose "
+                        "flip makes the failure go away; 'always' flips them on a healthy run too")
+    p.add_argument("--switch-budget", type=float, default=600.0, metavar="SECONDS",
+                   help="time the switch stage may spend (each flip reruns the served comparison; default 600)")
     p.add_argument("--max-memory", metavar="SIZE", help="memory ggufcheck may hold, e.g. 6G or 6000M (default: "
                    "80%% of what is available); a stage estimated to need more is refused before the run starts")
     p.add_argument("--reference-device", default="auto", metavar="DEV",
@@ -83,6 +89,8 @@ def options_from(args: argparse.Namespace) -> DiagnoseOptions:
     for name in ("decode_to", "sweep_to"):
         if getattr(args, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, not {getattr(args, name)}")
+    if args.switch_budget < 0:
+        raise UsageError(f"--switch-budget must be >= 0, not {args.switch_budget}")
     device = args.reference_device
     if not (device in ("auto", "cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit())):
         raise UsageError(f"--reference-device must be auto, cpu, cuda or cuda:N, not {device!r}")
@@ -95,7 +103,7 @@ def options_from(args: argparse.Namespace) -> DiagnoseOptions:
         prompts=args.prompts, max_prompts=args.max_prompts, max_tokens=args.max_tokens, health=args.health,
         kernels=args.kernels, sanity=args.sanity, shard_numeric=args.shard_numeric, baseline=args.baseline,
         top_k=args.top_k, timeout=args.timeout, decode_to=args.decode_to, sweep_to=args.sweep_to,
-        reference=args.reference,
+        reference=args.reference, switches=args.switches, switch_budget=args.switch_budget,
     )
 
 

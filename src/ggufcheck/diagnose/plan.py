@@ -12,7 +12,10 @@ Each stage removes one variable before the next looks further up the stack:
 5. ``layers``: per-layer comparison with the reference, then inside the first diverging
    layer: attention vs FFN/MoE on replayed inputs, router and indexer agreement;
 6. ``sanity``, ``logits``, ``paths``: the served distributions, teacher-forced against the
-   fp64 reference, and the execution paths (prefill vs decode, batch, chunks, lengths).
+   fp64 reference, and the execution paths (prefill vs decode, batch, chunks, lengths);
+7. ``switches``: after a served failure, the served comparison again with one engine setting
+   flipped at a time (flash attention, KV cache type, GPU offload...): the setting whose flip
+   makes the failure go away names the path that is wrong.
 
 Each stage is one module in ``checks/`` whose ``run(session)`` returns its reports; the
 :class:`~ggufcheck.diagnose.session.Session` opens what they share. A stage whose inputs do
@@ -86,6 +89,9 @@ PLAN: tuple[Stage, ...] = (
     Stage("served", "the served distributions and execution paths", "ggufcheck.checks.compare",
           lambda s: _needs_engine(s) or ("--layers: the served distributions need every layer (run without it)"
                                          if s.options.layers is not None else None), "output"),
+    Stage("switches", "one engine setting at a time (flash attention, KV cache type, GPU offload, ...)",
+          "ggufcheck.checks.switches",
+          lambda s: _needs_engine(s) or importlib.import_module("ggufcheck.checks.switches").when(s), "output"),
 )
 
 
@@ -104,8 +110,8 @@ def diagnose(options: DiagnoseOptions, progress: Progress | None = None, engine:
                              "tensor-parallel split, `ggufcheck env --python PATH` an interpreter")
     options = one_tp_size(options, engine)
     session = Session(options, say, engine)
-    stages: list[StageReport] = []
-    timings: dict[str, float] = {}
+    stages: list[StageReport] = session.reports  # the stages so far, which a later stage may read
+    timings: dict[str, float] = session.timings
     started = time.perf_counter()
     try:
         session.resources = plan_for(session, engine)

@@ -47,6 +47,8 @@ class DiagnoseOptions:
     reference_device: str = "auto"  # where the reference runs: auto (a GPU with room, else cpu), cpu, cuda[:N]
     layers: tuple[int, ...] | None = None  # --layers: check only these layers (their weights alone are read)
     experts: tuple[int, ...] | None = None  # --experts: audit only these routed experts of each MoE layer
+    switches: str = "auto"  # the switch stage: after a served failure (auto), always, never (checks.switches)
+    switch_budget: float = 600.0  # seconds the switch stage may spend flipping settings
 
     @cached_property
     def engine_spec(self):
@@ -77,6 +79,8 @@ class Session:
         self.tokenizer_used: str | None = None  # whose tokenizer made the prompts' tokens
         self.model = None
         self.resources = None  # the resource plan (diagnose/resources.py), made before the first stage
+        self.reports: list = []  # the stages' reports so far (diagnose/plan.py fills it)
+        self.timings: dict[str, float] = {}  # seconds per stage so far
 
     @property
     def reference_device(self) -> str:
@@ -104,18 +108,22 @@ class Session:
 
     def engine(self):
         if self._engine is None:
-            spec = self.options.engine_spec
-            self.say(f"opening engine {spec.text}")
-            kwargs = dict(self.options.engine_kwargs)
-            if spec.kind.interpreter and self.options.python:
-                # vLLM, and an isolated llama.cpp, run in the engine's interpreter
-                kwargs.setdefault("python", self.options.python)
-            if spec.name == "http" and "http_options" not in kwargs:
-                from ggufcheck.engines.http import HttpOptions
-
-                kwargs["http_options"] = HttpOptions(timeout_s=self.options.timeout, top_k=self.options.top_k)
-            self._engine = spec.open(self.options.model, **kwargs)
+            self._engine = self.open_engine(self.options.engine_spec)
         return self._engine
+
+    def open_engine(self, spec):
+        """Open ``spec`` (the run's engine spec, or one with a setting flipped) as this run opens
+        engines: its interpreter, its HTTP options. The caller owns what it did not ask via engine()."""
+        self.say(f"opening engine {spec.text}")
+        kwargs = dict(self.options.engine_kwargs)
+        if spec.kind.interpreter and self.options.python:
+            # vLLM, and an isolated llama.cpp, run in the engine's interpreter
+            kwargs.setdefault("python", self.options.python)
+        if spec.name == "http" and "http_options" not in kwargs:
+            from ggufcheck.engines.http import HttpOptions
+
+            kwargs["http_options"] = HttpOptions(timeout_s=self.options.timeout, top_k=self.options.top_k)
+        return spec.open(self.options.model, **kwargs)
 
     def reference(self):
         """The trusted engine (``options.reference``; None for "none"). ggufcheck's reference
@@ -141,11 +149,13 @@ class Session:
         engine = self._engine if self._engine is not None else (self.engine() if self.options.engine else None)
         return dict(getattr(engine.capabilities, "reference_options", {}) or {}) if engine is not None else {}
 
-    def emulation(self) -> dict:
-        """``emulate=`` for a reference baseline: the engine's precision class (reference.precision)."""
+    def emulation(self, engine: Any | None = None) -> dict:
+        """``emulate=`` for a reference baseline: the precision class of ``engine`` (default: the
+        session's engine; reference.precision)."""
         from ggufcheck.reference.precision import emulation_of, matmul_weight_types
 
-        engine = self._engine if self._engine is not None else (self.engine() if self.options.engine else None)
+        if engine is None:
+            engine = self._engine if self._engine is not None else (self.engine() if self.options.engine else None)
         if engine is None:
             return {}
         emulation = emulation_of(engine.capabilities, matmul_weight_types(self.open_model().tensors))
@@ -162,6 +172,19 @@ class Session:
                 kwargs = {**self.semantics(), **self.emulation(), "device": self.reference_device}
             self._baseline = open_engine(spec, self.options.model, **kwargs)
         return self._baseline
+
+    def baseline_for(self, engine: Any):
+        """A new baseline run for another ``engine`` than the session's (the switch stage's
+        flipped one: its own precision class); the caller closes it. None with --baseline none."""
+        from ggufcheck.engines.spec import open_engine
+
+        spec = self.options.baseline
+        if spec == "none":
+            return None
+        kwargs = {}
+        if spec.split(":")[0] == "reference":
+            kwargs = {**self.semantics(), **self.emulation(engine), "device": self.reference_device}
+        return open_engine(spec, self.options.model, **kwargs)
 
     def baseline_model(self):
         """The baseline's ReferenceModel (the layers stage replays with it), or None."""

@@ -60,6 +60,15 @@ def decide(stages: Iterable[StageReport]) -> Verdict:
     warnings = [f"{s.stage}/{r.check}: {r.message}" for s in stages for r in s.results if r.status == Status.WARN]
     verdict = _decide(stages)
     verdict.warnings = warnings
+    flips = [r for s in stages if s.stage == "switches" for r in s.results if r.status == Status.FAIL]
+    if flips and not verdict.healthy and verdict.stage != "switches":  # the setting that makes it go away
+        verdict.message += "; " + flips[0].message
+        verdict.evidence["switch"] = {"check": flips[0].check, "component": flips[0].component,
+                                      "stats": flips[0].stats}
+        flip = (flips[0].stats or {}).get("flip") or {}
+        setting = ",".join(f"{k}={v}" for k, v in flip.items())
+        verdict.next_steps = (f"run with {setting} until the path it avoids is fixed, and report that path with this "
+                              "evidence; " + verdict.next_steps).rstrip("; ")
     if verdict.healthy and warnings:
         verdict.message += f" ({len(warnings)} warning{'s' if len(warnings) > 1 else ''}: read them before trusting it)"
     return verdict

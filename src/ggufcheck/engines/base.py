@@ -70,6 +70,23 @@ def coarsest(*classes: str) -> str:
 
 
 @dataclass(frozen=True)
+class Switch:
+    """One engine setting a user flips to see the output change (issue 37's most common way a
+    cause was found): the spec options that set its safe value (``safe``, e.g. {"flash_attn":
+    0}), what they are now (``current``), the path the flip avoids (``what``: "the
+    flash-attention kernels") and the component named when the flip makes a failure go away."""
+
+    safe: Mapping[str, Any]
+    current: Mapping[str, Any]
+    what: str
+    component: str
+
+    @property
+    def name(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.safe.items())
+
+
+@dataclass(frozen=True)
 class Capabilities:
     """What an adapter offers. ``reasons`` explains each capability it lacks."""
 
@@ -105,6 +122,9 @@ class Capabilities:
     # "q8_k", "f16" or "bf16". Empty: derived from activation_dtype.
     rounding: Mapping[str, str] = field(default_factory=dict)
     reasons: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    # the settings of this engine a user would flip to find a cause (checks.switches): each one
+    # set now to something other than its safe value
+    switches: tuple["Switch", ...] = ()
 
     def why_not(self, capability: str) -> str:
         """The adapter's reason for lacking ``capability`` (a SKIP message)."""

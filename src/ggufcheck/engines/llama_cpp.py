@@ -33,6 +33,7 @@ from ggufcheck.engines.base import (
     Engine,
     Generation,
     LayerTrace,
+    Switch,
     TokenLogprobs,
     Unsupported,
     coarsest,
@@ -175,6 +176,26 @@ CUDA_MMQ_SUM_TYPES = frozenset({"Q4_1", "Q5_1", "Q4_K", "Q5_K", "IQ1_S", "Q2_K"}
 CUDA_MMVQ_SUM_TYPES = frozenset({"Q4_0", "Q5_0", "Q4_1", "Q5_1", "IQ1_S"})
 
 
+def llama_cpp_switches(params: Any, n_gpu_layers: int, n_batch: int) -> tuple[Switch, ...]:
+    """The settings of this context a user flips to find a cause (checks.switches), each where
+    it is not at its safe value: flash attention, a KV cache of another type than F16, the GPU
+    offload, and on a GPU the prompt pieces that take the matrix-matrix kernels."""
+    out = []
+    if int(getattr(params, "flash_attn_type", 0)) != 0:  # enabled (1) or auto (-1)
+        out.append(Switch({"flash_attn": 0}, {"flash_attn": int(params.flash_attn_type)},
+                          "the flash-attention kernels", "attention"))
+    kv = {"type_k": int(params.type_k), "type_v": int(params.type_v)}
+    if kv != {"type_k": 1, "type_v": 1}:
+        out.append(Switch({"type_k": 1, "type_v": 1}, kv, "a KV cache stored in another type than F16", "kv-cache"))
+    if n_gpu_layers:
+        out.append(Switch({"n_gpu_layers": 0}, {"n_gpu_layers": n_gpu_layers},
+                          "the GPU backend (every layer on the CPU instead)", "kernel"))
+        if n_batch > 8:
+            out.append(Switch({"n_batch": 8}, {"n_batch": n_batch}, "the matrix-matrix kernels (a prompt in pieces "
+                              "of 8 tokens takes the matrix-vector ones)", "kernel"))
+    return tuple(out)
+
+
 GGML_TYPE_CLASS = {0: "fp32", 1: "fp16", 30: "bf16"}  # KV cache types; any other (Q8_0, Q4_0, ...) is q8
 
 
@@ -266,6 +287,7 @@ class LlamaCppEngine(Engine):
                 batch="llama-cpp-python's Llama object decodes one sequence at a time",
                 weights="llama-cpp-python exposes no loaded-tensor access by HF name",
             ),
+            switches=llama_cpp_switches(params, n_gpu_layers, n_batch),
         )
 
     # ---- tokenization ---------------------------------------------------------------

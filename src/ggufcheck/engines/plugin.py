@@ -18,6 +18,13 @@ from ggufcheck.errors import UsageError
 def load_plugin(target: str, model_path: str | Path | None) -> Engine:
     """``module:factory`` -> the engine the factory returns, checked for the interface."""
     module_name, sep, attr = target.partition(":")
+    attr, _, options_text = attr.partition(":")
+    options = {}
+    for item in filter(None, options_text.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise UsageError(f"--engine python:{target}: bad option {item!r}", tip="options are key=value, comma-separated")
+        options[key] = int(value) if value.lstrip("-").isdigit() else value
     if not sep or not module_name or not attr:
         raise UsageError(f"--engine python:{target}: expected python:MODULE:FACTORY",
                          tip="e.g. --engine python:my_serving.ggufcheck_adapter:make_engine")
@@ -37,7 +44,7 @@ def load_plugin(target: str, model_path: str | Path | None) -> Engine:
         takes_arg = bool(inspect.signature(factory).parameters)
     except (TypeError, ValueError):
         takes_arg = True
-    engine = factory(model_path) if takes_arg else factory()
+    engine = factory(model_path, **options) if takes_arg else factory()
     missing = [name for name in ("score", "capabilities", "vocab_size", "name") if not hasattr(engine, name)]
     if missing or not isinstance(getattr(engine, "capabilities", None), Capabilities):
         raise UsageError(f"--engine python:{target}: the factory returned {type(engine).__name__}, which lacks "

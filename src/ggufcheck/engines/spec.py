@@ -16,7 +16,8 @@
                                  the real vLLM (GGUF plug-in) in its own interpreter
                                  (python=; --python PATH), every TP rank reachable
     http://HOST:PORT[/v1][?kind=vllm|llama-cpp-python|llama-server][&backend=cuda]
-    python:MODULE:FACTORY        a user's own engine: FACTORY(model_path) -> Engine
+    python:MODULE:FACTORY[:key=value,...]
+                                 a user's own engine: FACTORY(model_path[, key=value...]) -> Engine
 
 Each kind is one :class:`EngineKind` in :data:`KINDS` (its usage line, how it opens, its TP
 size, whether it runs in another interpreter); :func:`parse_spec` reads a spec once into an
@@ -45,6 +46,9 @@ class EngineKind:
     ranks: Callable[[str, str], int] | None = None  # (spec, options text) -> the TP size it runs at
     interpreter: bool = False  # runs in the interpreter --python names
     needs_model: bool = True
+    # (options text, settings) -> the options text with those settings: how a switch (checks.
+    # switches) reopens this kind with one setting flipped; None: its settings cannot be flipped
+    respec: Callable[[str, dict], str] | None = None
 
 
 @dataclass(frozen=True)
@@ -64,10 +68,44 @@ class EngineSpec:
         """The tensor-parallel size the spec runs the engine at; None for an engine without one."""
         return None if self.kind.ranks is None else self.kind.ranks(self.text, self.rest)
 
+    def with_settings(self, settings: dict) -> "EngineSpec":
+        """This spec with ``settings`` (option -> value) set: the engine a switch flips to."""
+        if self.kind.respec is None:
+            raise UsageError(f"--engine {self.text}: its settings cannot be changed by ggufcheck")
+        rest = self.kind.respec(self.rest, dict(settings))
+        head = self.text[:len(self.text) - len(self.rest)] if self.rest and self.text.endswith(self.rest) else \
+            self.kind.name + ":"
+        if not head.endswith((":", "?")) and rest:
+            head += ":"
+        return EngineSpec(head + rest, self.kind, rest)
+
     def open(self, model_path: str | Path | None, **kwargs) -> Engine:
         if self.kind.needs_model and model_path is None:
             raise UsageError(f"--engine {self.text} needs the model file")
         return self.kind.open(self.text, self.rest, model_path, kwargs)
+
+
+def merge_options(rest: str, settings: dict) -> str:
+    """``key=value,...`` with ``settings`` replacing or adding keys, in their first order."""
+    items = [item.partition("=") for item in filter(None, rest.split(","))]
+    out, seen = [], set()
+    for key, _sep, value in items:
+        if key in settings:
+            value, _ = str(settings[key]), seen.add(key)
+        out.append(f"{key}={value}")
+    out += [f"{k}={v}" for k, v in settings.items() if k not in seen]
+    return ",".join(out)
+
+
+def _plugin_respec(rest: str, settings: dict) -> str:
+    module, _, tail = rest.partition(":")
+    factory, _, options = tail.partition(":")
+    return f"{module}:{factory}:{merge_options(options, settings)}"
+
+
+def _hf_respec(rest: str, settings: dict) -> str:
+    dtype, at, device = rest.partition("@")
+    return f"{settings.get('dtype', dtype or 'fp32')}{at}{device}"
 
 
 def _options(text: str, spec: str) -> dict[str, int]:
@@ -166,12 +204,14 @@ def _hf(loader: str):
 
 KINDS: dict[str, EngineKind] = {k.name: k for k in (
     EngineKind("reference", "reference[:fp32]", _reference),
-    EngineKind("hf", "hf[:bf16][@cuda]", _hf("from_gguf")),
-    EngineKind("hf-gguf", "hf-gguf[:fp32] (transformers' own GGUF loader)", _hf("from_transformers_gguf")),
-    EngineKind("llama-cpp", "llama-cpp[:n_ctx=N,n_gpu_layers=N]", _llama_cpp, interpreter=True),
-    EngineKind("vllm", "vllm[:tp=N,dtype=D,max_model_len=N]", _vllm, ranks=_vllm_ranks, interpreter=True),
+    EngineKind("hf", "hf[:bf16][@cuda]", _hf("from_gguf"), respec=_hf_respec),
+    EngineKind("hf-gguf", "hf-gguf[:fp32] (transformers' own GGUF loader)", _hf("from_transformers_gguf"),
+               respec=_hf_respec),
+    EngineKind("llama-cpp", "llama-cpp[:n_ctx=N,n_gpu_layers=N]", _llama_cpp, interpreter=True, respec=merge_options),
+    EngineKind("vllm", "vllm[:tp=N,dtype=D,max_model_len=N]", _vllm, ranks=_vllm_ranks, interpreter=True,
+               respec=merge_options),
     EngineKind("http", "http://HOST:PORT[/v1]", _http, needs_model=False),
-    EngineKind("python", "python:MODULE:FACTORY", _plugin, needs_model=False),
+    EngineKind("python", "python:MODULE:FACTORY[:key=value,...]", _plugin, needs_model=False, respec=_plugin_respec),
 )}
 SPEC_HELP = ", ".join(k.usage for k in KINDS.values())
 

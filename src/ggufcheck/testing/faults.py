@@ -822,6 +822,27 @@ def q5_k_matvec_subtle(model_path: str | Path) -> Engine:
     return subtle_matvec_engine(model_path, "Q5_K")
 
 
+def flash_attention_fault(model_path: str | Path, flash_attn: int = 1) -> Engine:
+    """``--engine python:ggufcheck.testing.faults:flash_attention_fault[:flash_attn=0|1]``: an
+    engine with a setting, as llama.cpp's flash_attn: with 1 its attention is wrong (the
+    attention-scale-wrong fault, in the last layer), with 0 it is the healthy fp32 reference. It
+    declares the setting (Capabilities.switches): the switch stage must find that flipping it
+    makes the failure go away (checks.switches)."""
+    from dataclasses import replace
+
+    from ggufcheck.engines.base import Switch
+
+    if not int(flash_attn):
+        engine = ReferenceEngine(model_path, dtype="fp32")
+        engine.name = f"reference fp32, flash_attn=0 ({Path(model_path).name})"
+        return engine
+    engine = make_faulty_engine("attention-scale-wrong", model_path)
+    engine.capabilities = replace(engine.capabilities, switches=(
+        Switch({"flash_attn": 0}, {"flash_attn": 1}, "the flash-attention kernels", "attention"),))
+    engine.name = f"reference fp32 with a wrong flash-attention kernel ({Path(model_path).name})"
+    return engine
+
+
 def crashing_engine(model_path: str | Path) -> Engine:
     """The fp32 reference that prints to fd 1 when scoring and dies of SIGSEGV when asked to
     generate, as a native library can: for the isolated-engine tests (engines.isolated)."""

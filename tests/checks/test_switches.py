@@ -1,0 +1,92 @@
+"""The switch stage (checks/switches.py): the served comparison again with one engine setting
+flipped at a time, naming the setting whose flip makes a failure go away (issue 37 item 1)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ggufcheck.checks.switches import judge
+from ggufcheck.diagnose.plan import DiagnoseOptions, diagnose
+from ggufcheck.engines.base import Switch
+from ggufcheck.engines.spec import parse_spec
+from ggufcheck.results import StageReport, Status, failed, passed
+
+FLASH = Switch({"flash_attn": 0}, {"flash_attn": 1}, "the flash-attention kernels", "attention")
+FAULT = "python:ggufcheck.testing.faults:flash_attention_fault"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from ggufcheck.synthetic.tiny import build_tiny_gguf
+
+    return build_tiny_gguf("llama", tmp_path_factory.mktemp("sw") / "m.gguf", qtypes="F32", seed=1).path
+
+
+def _options(path, engine, **kw):
+    return DiagnoseOptions(model=path, engine=engine, sanity=False, kernels=False, max_prompts=2, sweep_to=0,
+                           decode_to=0, **kw)
+
+
+def test_the_setting_whose_flip_makes_the_failure_go_away_is_named(tiny):
+    d = diagnose(_options(tiny, FAULT))
+    stage = next(s for s in d.stages if s.stage == "switches")
+    (result,) = stage.results
+    assert result.status == Status.FAIL and result.component == "attention" and result.check == "switches.flash_attn=0"
+    assert result.stats["still_failing"] == [] and result.stats["fixed"]
+    v = d.verdict
+    assert not v.healthy and "healthy with flash_attn=0" in v.message and v.evidence["switch"]["component"] == "attention"
+    assert v.next_steps.startswith("run with flash_attn=0")
+
+
+def test_the_stage_runs_only_when_asked_or_after_a_served_failure(tiny):
+    never = diagnose(_options(tiny, FAULT, switches="never"))
+    stage = next(s for s in never.stages if s.stage == "switches")
+    assert stage.results[0].status == Status.SKIP and "--switches never" in stage.results[0].message
+    healthy = diagnose(_options(tiny, f"{FAULT}:flash_attn=0"))
+    assert healthy.verdict.healthy
+    stage = next(s for s in healthy.stages if s.stage == "switches")
+    assert stage.results[0].status == Status.SKIP and "every served check passed" in stage.results[0].message
+
+
+def test_a_spent_budget_says_what_was_not_flipped(tiny):
+    d = diagnose(_options(tiny, FAULT, switch_budget=0))
+    (result,) = next(s for s in d.stages if s.stage == "switches").results
+    assert result.status == Status.SKIP and "not flipped: the time budget" in result.message
+
+
+@pytest.mark.llama
+def test_a_healthy_llama_cpp_with_flash_attention_is_healthy_with_it_off_too(tiny):
+    d = diagnose(_options(tiny, "llama-cpp:flash_attn=1", switches="always"))
+    assert d.verdict.healthy, d.verdict.message
+    (result,) = next(s for s in d.stages if s.stage == "switches").results
+    assert result.status == Status.PASS and result.message == "healthy with flash_attn=0 too"
+
+
+def test_judging_one_flip():
+    def served(*results):
+        return [StageReport("logits", list(results))]
+
+    failing = ["logits.kl_mean", "paths.chunked_prefill[5]"]
+    fixed = judge(FLASH, failing, served(passed("logits.kl_mean", "output", ""),
+                                         passed("paths.chunked_prefill[5]", "prefill", "")))
+    assert fixed.status == Status.FAIL and "healthy with flash_attn=0" in fixed.message
+    part = judge(FLASH, failing, served(passed("logits.kl_mean", "output", ""),
+                                        failed("paths.chunked_prefill[5]", "prefill", "")))
+    assert part.status == Status.PASS and "part of the failure" in part.message
+    same = judge(FLASH, failing, served(failed("logits.kl_mean", "output", ""),
+                                        failed("paths.chunked_prefill[5]", "prefill", "")))
+    assert same.status == Status.PASS and "changes nothing" in same.message
+    other_path = judge(FLASH, [], served(failed("logits.kl_mean", "output", "")))
+    assert other_path.status == Status.WARN and "healthy as run" in other_path.message
+
+
+@pytest.mark.parametrize("text, settings, want", [
+    ("llama-cpp:n_gpu_layers=99,flash_attn=1", {"flash_attn": 0}, "llama-cpp:n_gpu_layers=99,flash_attn=0"),
+    ("llama-cpp", {"type_k": 1, "type_v": 1}, "llama-cpp:type_k=1,type_v=1"),
+    ("hf:bf16@cuda", {"dtype": "fp32"}, "hf:fp32@cuda"),
+    ("vllm:tp=2,dtype=bf16", {"tp": 1}, "vllm:tp=1,dtype=bf16"),
+    (f"{FAULT}:flash_attn=1", {"flash_attn": 0}, f"{FAULT}:flash_attn=0"),
+])
+def test_a_spec_with_one_setting_flipped(text, settings, want):
+    flipped = parse_spec(text).with_settings(settings)
+    assert flipped.text == want and parse_spec(flipped.text).kind == flipped.kind
