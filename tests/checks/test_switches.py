@@ -90,3 +90,11 @@ def test_judging_one_flip():
 def test_a_spec_with_one_setting_flipped(text, settings, want):
     flipped = parse_spec(text).with_settings(settings)
     assert flipped.text == want and parse_spec(flipped.text).kind == flipped.kind
+
+
+def test_vllm_and_transformers_declare_their_settings():
+    from ggufcheck.engines.vllm import parse_options, vllm_switches
+
+    names = [s.name for s in vllm_switches(parse_options("tp=2,eager=0,kv_cache_dtype=fp8", "vllm:..."))]
+    assert names == ["eager=1", "prefix_caching=0", "kv_cache_dtype=auto", "tp=1"]
+    assert [s.name for s in vllm_switches(parse_options("prefix_caching=0", "vllm:..."))] == []

@@ -26,6 +26,7 @@ from ggufcheck.engines.base import (
     Generation,
     GGUFVocabTokenizer,
     LayerTrace,
+    Switch,
     TokenLogprobs,
     Unsupported,
     reasons,
@@ -92,6 +93,9 @@ class HFEngine(GGUFVocabTokenizer, Engine):
             reference_options=dict(reference_options or {}),
             reasons=reasons(tokenize="no tokenizer was given for this transformers model",
                             chunked_prefill="not wired for transformers models"),
+            # a low-precision run's one flip (checks.switches): the same code in fp32
+            switches=(Switch({"dtype": "fp32"}, {"dtype": dtype}, f"the {dtype} arithmetic", "output"),)
+            if dtype in ("bf16", "fp16") else (),
         )
 
     @classmethod

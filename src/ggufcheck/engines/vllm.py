@@ -51,6 +51,7 @@ from ggufcheck.engines.base import (
     Engine,
     Generation,
     LayerTrace,
+    Switch,
     TokenLogprobs,
     Unsupported,
     log_softmax,
@@ -60,6 +61,7 @@ from ggufcheck.errors import EngineUnreachable, Unavailable, UsageError
 
 WORKER = Path(__file__).resolve().parent.parent / "probe" / "scripts" / "ggufcheck_vllm_worker.py"
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 # vLLM merges these checkpoint projections into one parameter; the shard ids its GGUF
 # plug-in records in ``shard_offset_map`` (and the order of ``output_partition_sizes``)
 PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -82,6 +84,11 @@ class VllmOptions:
     # serve the HF checkpoint ggufcheck exports from the GGUF (ggufcheck export) instead of
     # the GGUF through the plug-in: for architectures the plug-in refuses (deepseek2, glm4moe)
     export: bool = False
+    # the settings a user flips (checks.switches): eager mode (0: CUDA graphs where vLLM uses
+    # them), the prefix cache, the KV cache's dtype
+    eager: bool = True
+    prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
 
 
 def parse_options(rest: str, spec: str) -> VllmOptions:
@@ -104,18 +111,40 @@ def parse_options(rest: str, spec: str) -> VllmOptions:
                 raise UsageError(f"--engine {spec}: {key} must be a number of seconds, not {value!r}") from None
         elif key == "python":
             opts = replace(opts, python=value)
-        elif key == "export":
+        elif key in ("export", "eager", "prefix_caching"):
             if value not in ("0", "1"):
-                raise UsageError(f"--engine {spec}: export must be 0 or 1, not {value!r}")
-            opts = replace(opts, export=value == "1")
+                raise UsageError(f"--engine {spec}: {key} must be 0 or 1, not {value!r}")
+            opts = replace(opts, **{key: value == "1"})
+        elif key == "kv_cache_dtype":
+            if value not in KV_CACHE_DTYPES:
+                raise UsageError(f"--engine {spec}: kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                                 f"not {value!r}")
+            opts = replace(opts, kv_cache_dtype=value)
         elif key == "dtype":
             if value not in DTYPES:
                 raise UsageError(f"--engine {spec}: dtype must be one of {', '.join(DTYPES)}, not {value!r}")
             opts = replace(opts, dtype=value)
         else:
-            known = sorted(ints | floats | {"dtype", "python", "export"})
+            known = sorted(ints | floats | {"dtype", "python", "export", "eager", "prefix_caching", "kv_cache_dtype"})
             raise UsageError(f"--engine {spec}: unknown option {key!r}", tip=f"known: {', '.join(known)}")
     return opts
+
+
+def vllm_switches(options: VllmOptions) -> tuple[Switch, ...]:
+    """The settings of this vLLM a user flips to find a cause (checks.switches), each where it is
+    not at its safe value."""
+    out = []
+    if not options.eager:
+        out.append(Switch({"eager": 1}, {"eager": 0}, "CUDA graphs (captured decode steps)", "decode"))
+    if options.prefix_caching:
+        out.append(Switch({"prefix_caching": 0}, {"prefix_caching": 1}, "the prefix cache", "kv-cache"))
+    if options.kv_cache_dtype != "auto":
+        out.append(Switch({"kv_cache_dtype": "auto"}, {"kv_cache_dtype": options.kv_cache_dtype},
+                          f"a {options.kv_cache_dtype} KV cache", "kv-cache"))
+    if options.tp > 1:
+        out.append(Switch({"tp": 1}, {"tp": options.tp}, "tensor parallelism (one rank holds every weight instead)",
+                          "sharding"))
+    return tuple(out)
 
 
 def check_tp(model_path: str | Path, tp: int) -> None:
@@ -337,7 +366,9 @@ class VllmEngine(Engine):
         started = time.monotonic()
         self._worker = _Worker(python, env, Path(self._logdir) / "vllm.log", options.start_timeout)
         request = {"model": str(served), "config_dir": str(config_dir), "tp": options.tp,
-                   "dtype": DTYPES[options.dtype], "max_model_len": options.max_model_len}
+                   "dtype": DTYPES[options.dtype], "max_model_len": options.max_model_len,
+                   "eager": options.eager, "prefix_caching": options.prefix_caching,
+                   "kv_cache_dtype": options.kv_cache_dtype}
         hello, _ = self._worker.request(request, timeout=options.start_timeout)
         if not hello.get("ok"):
             self._worker.close()
@@ -366,6 +397,7 @@ class VllmEngine(Engine):
             chunked_prefill=bool(hello.get("chunking")),
             layer_outputs=frozenset(k for k in hello.get("kinds", []) if k in LAYER_KINDS),
             weights=True, tp_size=options.tp, activation_dtype=act, weight_layout="checkpoint",
+            switches=vllm_switches(options),
             max_sequence=options.max_model_len - 1,  # a score asks for one more token's logits
             reasons=reasons(chunked_prefill=str(hello.get("chunking_why", ""))),
         )

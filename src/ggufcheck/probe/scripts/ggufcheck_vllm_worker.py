@@ -641,7 +641,8 @@ class Driver:
 
         self.req = req
         kwargs = dict(model=req["model"], tokenizer=req["config_dir"], hf_config_path=req["config_dir"],
-                      dtype=req.get("dtype", "float32"), enforce_eager=True,
+                      dtype=req.get("dtype", "float32"), enforce_eager=bool(req.get("eager", True)),
+                      kv_cache_dtype=req.get("kv_cache_dtype", "auto"),
                       max_model_len=int(req.get("max_model_len", 512)),
                       tensor_parallel_size=int(req.get("tp", 1)),
                       # on, as deployments run it; emptied before every request but the
