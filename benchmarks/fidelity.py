@@ -88,7 +88,7 @@ def main() -> int:
     t0 = time.time()
     say(f"# verdict fidelity on {platform.machine()} {platform.processor() or ''}, python {platform.python_version()}")
     say("## healthy engines (every verdict must be healthy)")
-    healthy: dict[str, list[int]] = {e: [0, 0, 0] for e in ENGINES}  # runs, false alarms, unavailable
+    healthy: dict[str, list[int]] = {e: [0, 0, 0, 0] for e in ENGINES}  # runs, false alarms, unavailable, warned
     alarms = []
     for arch in archs:
         for qtype in ("F32", "Q8_0"):
@@ -108,10 +108,13 @@ def main() -> int:
                         healthy[spec][1] += 1
                         alarms.append(f"  FALSE ALARM {spec:9s} {arch:9s} {qtype:4s} seed {seed}: "
                                       f"{d.verdict.component} @ {d.verdict.layer}: {d.verdict.message[:140]}")
-    say("| engine | runs | false alarms | rate | unavailable |")
-    say("|---|---|---|---|---|")
-    for spec, (runs, bad, na) in healthy.items():
-        say(f"| {spec} | {runs} | {bad} | {bad / runs if runs else 0:.1%} | {na} |")
+                    elif d.verdict.warnings:  # healthy, with a warning: counted, and said
+                        healthy[spec][3] += 1
+                        alarms.append(f"  warned {spec:9s} {arch:9s} {qtype:4s} seed {seed}: {d.verdict.warnings[0][:160]}")
+    say("| engine | runs | false alarms | rate | unavailable | healthy with a warning |")
+    say("|---|---|---|---|---|---|")
+    for spec, (runs, bad, na, warned) in healthy.items():
+        say(f"| {spec} | {runs} | {bad} | {bad / runs if runs else 0:.1%} | {na} | {warned} |")
     for a in alarms:
         say(a)
 

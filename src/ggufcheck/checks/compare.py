@@ -37,7 +37,7 @@ from ggufcheck.checks.alignment import Realigned, detect_offset, input_ignored, 
 from ggufcheck.checks.paths import first_divergence, landmarks, PathOptions, run_paths
 from ggufcheck.checks.sanity import SanityLimits, run_sanity
 from ggufcheck.engines.base import Engine, TokenLogprobs, Unsupported, coarsest
-from ggufcheck.results import Result, StageReport, Status, failed, passed, skipped
+from ggufcheck.results import Result, StageReport, Status, failed, passed, skipped, warned
 
 if TYPE_CHECKING:  # pragma: no cover
     from ggufcheck.diagnose.session import Session
@@ -304,6 +304,10 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
 
             decode = at_layer(decode)
             logits_stage.add(decode)
+            if not decode.failed and baseline_engine is not None:
+                arithmetic = _decode_arithmetic(reference_score, baseline_engine, generations, options.max_new_tokens)
+                if arithmetic is not None:
+                    logits_stage.add(arithmetic)
             blame = at_layer(_which_path(prefill, decode))
             if blame.failed and blame.component == "prefill" and sweep is not None and sweep.failed \
                     and sweep.stats.get("threshold"):  # the length where the prefill goes wrong, and its owner
@@ -317,6 +321,38 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
         })
     logits_stage.add(declined)
     return [sanity_stage, logits_stage, paths_stage]
+
+
+def _decode_arithmetic(reference_score, baseline_engine, generations, steps: int) -> Result | None:
+    """The decode steps against the arithmetic the engine states, on the same rows (checks.
+    arithmetic): the first ``steps`` steps of each generation, fed to the baseline run as a decode
+    (prompt, then one token per forward). A WARN where they exceed it: a one-token kernel far off
+    its own rounding still passes the class allowance (the kernel matrix names the type)."""
+    from ggufcheck.checks.arithmetic import excess, means, row_kls
+    from ggufcheck.checks.lengths import prefix_rows
+
+    if not hasattr(baseline_engine, "score_decoded"):
+        return None
+    rows = []
+    for g in generations:
+        n = min(len(g.sequence), len(g.prompt) + steps)
+        tokens = [int(t) for t in g.sequence[:n]]
+        rows.append(row_kls(reference_score(tokens), prefix_rows(g.steps, n),
+                            baseline_engine.score_decoded(tokens, len(g.prompt)), len(g.prompt) - 1))
+    pair = means(rows)
+    if pair is None:
+        return None
+    ratio = excess(pair)
+    stats = {"kl": pair[0], "emulated_kl": pair[1], "ratio": pair[0] / pair[1] if pair[1] > 0 else None}
+    if ratio is None:
+        return passed("logits.decode_arithmetic", "decode",
+                      f"decode steps within the arithmetic the engine states (KL {pair[0]:.3g}, the reference computing "
+                      f"that rounding {pair[1]:.3g} on the same rows)", stats=stats)
+    return warned("logits.decode_arithmetic", "decode",
+                  f"decode steps round {ratio:.1f}x more than the arithmetic the engine states (KL {pair[0]:.3g}, the "
+                  f"reference computing that rounding {pair[1]:.3g} on the same rows): inside the class allowance, "
+                  "but a one-token (matrix-vector) kernel far off its own rounding; `ggufcheck quants --engine SPEC` "
+                  "names the quant type", stats=stats)
 
 
 def _sweep_sequence(engine: Engine, seqs, generations, options: CompareOptions) -> list[int]:

@@ -246,7 +246,7 @@ def path_arithmetic(session, stages: list[StageReport]) -> dict[str, tuple[float
     forward, as the engine decoded). Rows from a routing / indexer near-tie of
     the reference onward are left out on both sides (a MoE's flip is not a kernel's arithmetic).
     Empty without an emulation (the engine states none) or a reference."""
-    import numpy as np
+    from ggufcheck.checks.arithmetic import means, row_kls
 
     emulation = session.emulation().get("emulate")
     spec = session.options.baseline
@@ -259,8 +259,8 @@ def path_arithmetic(session, stages: list[StageReport]) -> dict[str, tuple[float
                            device=session.reference_device)
     out: dict[str, tuple[float, float]] = {}
     try:
-        rows = [_row_kls(reference.score(p), engine.score(p), emulated.score(p), 0) for p in session.tokens()]
-        out["prefill"] = _means(rows)
+        rows = [row_kls(reference.score(p), engine.score(p), emulated.score(p), 0) for p in session.tokens()]
+        out["prefill"] = means(rows)
         generations = next((s.info.get("generations") for s in stages if s.info.get("generations")), None) or []
         rows = []
         for g in generations:
@@ -268,58 +268,12 @@ def path_arithmetic(session, stages: list[StageReport]) -> dict[str, tuple[float
             steps = len(g["tokens"]) - len(prompt)
             decoded = engine.generate(prompt, steps)  # the engine's decode rows (greedy: the same tokens)
             tokens = [int(t) for t in decoded.sequence]
-            rows.append(_row_kls(reference.score(tokens), decoded.steps, emulated.score_decoded(tokens, len(prompt)),
-                                 len(prompt) - 1))
-        out["decode"] = _means(rows)
+            rows.append(row_kls(reference.score(tokens), decoded.steps, emulated.score_decoded(tokens, len(prompt)),
+                                len(prompt) - 1))
+        out["decode"] = means(rows)
     finally:
         emulated.close()
     return {path: pair for path, pair in out.items() if pair is not None}
-
-
-def _row_kls(reference, engine_table, emulated_table, start: int):
-    """(KL per row of the engine, of the emulation) against ``reference`` on rows ``start``..,
-    both rows present, and no near-tie of the reference at or before them (from ``start``)."""
-    import numpy as np
-
-    from ggufcheck.checks.logits import compare_tables
-
-    n = len(reference.tokens)
-    keep = np.zeros(n, dtype=bool)
-    keep[start:n - 1] = True
-    if reference.ambiguous is not None:
-        tied = np.flatnonzero(reference.ambiguous[start:])
-        if len(tied):
-            keep[start + int(tied[0]):] = False
-    for table in (engine_table, emulated_table):
-        if table.present is not None:
-            keep &= table.present
-    if not keep.any():
-        return None
-    kls = []
-    for table in (engine_table, emulated_table):
-        part = compare_tables(_only(reference, keep), table)
-        kls.append(np.asarray(part["kl"], dtype=np.float64))
-    return kls
-
-
-def _only(table, rows):
-    from dataclasses import replace
-
-    present = rows if table.present is None else (table.present & rows)
-    return replace(table, present=present, ambiguous=None)
-
-
-def _means(rows) -> tuple[float, float] | None:
-    import numpy as np
-
-    rows = [r for r in rows if r is not None]
-    if not rows:
-        return None
-    engine = np.concatenate([r[0] for r in rows])
-    emulated = np.concatenate([r[1] for r in rows])
-    if not len(engine) or not len(emulated):
-        return None
-    return float(np.mean(engine)), float(np.mean(emulated))
 
 
 def run_row(qtype: str, options: MatrixOptions, folder: Path, say: Progress) -> MatrixRow:
