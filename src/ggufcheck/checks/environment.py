@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from ggufcheck.probe.runner import ProbeTarget, run_probe
 from ggufcheck.probe.scripts import ggufcheck_fatbin as fatbin
-from ggufcheck.results import Result, StageReport, errored, failed, passed, skipped
+from ggufcheck.results import Result, StageReport, errored, failed, passed, skipped, warned
 
 if TYPE_CHECKING:  # pragma: no cover
     from ggufcheck.diagnose.session import Session
@@ -80,8 +80,41 @@ def environment_report(messages: list[dict]) -> StageReport:
             name = m["name"]
             if extensions.get(name) or summaries.get(name, {}).get("files"):
                 report.add(binary_results(name, extensions.get(name, []), summaries.get(name, {}), gpu))
+    for m in messages:
+        if m.get("type") == "build" and m.get("package") == "llama_cpp":
+            report.add(llama_cpp_build_results(m))
     report.info["time"] = time_split(messages)
     return report
+
+
+def llama_cpp_build_results(build: dict, model_types: set[str] | None = None) -> list[Result]:
+    """How the llama.cpp that ``llama_cpp`` loads was built (probe/scripts/ggufcheck_build_info.py),
+    and a warning for each known-broken build it matches (checks/known_builds.py) whose quant
+    types the model uses (every entry without a model)."""
+    from ggufcheck.checks.known_builds import known_broken
+
+    check = "environment.build.llama_cpp"
+    if build.get("error"):
+        return [skipped(check, "environment", f"llama.cpp's build not read: {build['error']}")]
+    commit = f" (commit {build['ggml_commit']})" if build.get("ggml_commit") else ""
+    text = (f"llama.cpp libraries in {build['lib_dir']}: ggml {build.get('ggml_version') or '?'}{commit}, "
+            f"backends {', '.join(build.get('backends') or ['?'])}")
+    cuda = build.get("cuda")
+    if cuda:
+        toolkit = cuda.get("toolkit")
+        text += (f"; CUDA runtime {cuda.get('runtime') or '?'}, compiled with nvcc {toolkit}" if toolkit else
+                 f"; CUDA runtime {cuda.get('runtime') or '?'} (the toolkit's exact release is not recorded in "
+                 "plain text in this binary: `nvcc --version` where it was built says it)")
+    out = [passed(check, "environment", text, stats=build)]
+    for entry in known_broken("llama.cpp (CUDA)", (cuda or {}).get("toolkit")):
+        hit = sorted(set(entry.types) & model_types) if model_types is not None else list(entry.types)
+        if not hit:
+            continue
+        out.append(warned(f"{check}.known_broken", "kernel",
+                          f"built with nvcc {cuda['toolkit']} ({entry.releases}): {entry.what}; types {', '.join(hit)}"
+                          f"; fixed in {entry.fixed}; sources: {', '.join(entry.sources)}",
+                          stats={"toolkit": cuda["toolkit"], "types": hit, "sources": list(entry.sources)}))
+    return out
 
 
 def time_split(messages: list[dict]) -> dict:
@@ -254,6 +287,10 @@ def run(session: "Session") -> list[StageReport]:
     target = ProbeTarget(python=o.python or sys.executable, device=o.device)
     session.say(f"probing the environment of {target.python}")
     stages = [run_environment_stage(EnvOptions(target=target))]
+    if session.options.model is not None:  # a known-broken build warns only for the types the model has
+        types = {t.qtype.name for t in session.open_model().tensors.values()}
+        stages[0].results = [r for r in stages[0].results if not r.check.endswith(".known_broken")
+                             or set(r.stats.get("types", ())) & types]
     if o.kernels:
         from ggufcheck.checks.kernels import KernelOptions, run_kernel_stage
 

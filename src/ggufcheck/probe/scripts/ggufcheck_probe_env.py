@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 
+import ggufcheck_build_info as build_info
 import ggufcheck_fatbin as fatbin
 from ggufcheck_probe_common import PREFIX, emit, exception_text, open_channel, read_request
 
@@ -227,6 +228,11 @@ def main() -> None:
         emit(answer)
         if request.get("scan_extensions", True) and directory:
             scan_extensions(name, directory, gpu, budget, scanned, bool(request.get("cuobjdump_all")))
+        if name == "llama_cpp" and directory:  # how its llama.cpp was built (ggufcheck_build_info)
+            try:
+                emit({"type": "build", "package": name, **build_info.llama_cpp_build(directory)})
+            except Exception as exc:  # noqa: BLE001 - a file it cannot read is an answer too
+                emit({"type": "build", "package": name, "error": exception_text(exc)})
     emit({"type": "done"})
 
 

@@ -1,0 +1,103 @@
+"""What a compiled engine says of how it was built: llama.cpp's libraries, read without loading them.
+
+Standard library only (this file runs inside the target interpreter). For the folder a
+``llama_cpp`` package loads its libraries from (``LLAMA_CPP_LIB_PATH``, else the package's
+``lib/``): which ggml backends it carries (``libggml-<backend>.so``), the ggml version (the
+``libggml-base.so.X.Y.Z`` file name) and commit (``ggml_commit()`` of libggml-base, which touches
+no GPU), and for a CUDA build the CUDA libraries it links (ELF ``DT_NEEDED``: ``libcudart.so.13``
+names the toolkit's major release) and, where the binary carries it in plain text, the exact
+toolkit release (``Cuda compilation tools, release 13.2, V13.2.78``: PTX headers and cubin notes
+that are not compressed). A build whose toolkit is not recorded says so.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import struct
+
+TOOLKIT = re.compile(rb"Cuda compilation tools, release (\d+\.\d+), V(\d+\.\d+\.\d+)")
+DT_NEEDED = 1
+
+
+def needed(path: str) -> list[str]:
+    """The shared libraries an ELF file names (DT_NEEDED), in order; [] if it names none."""
+    try:  # a probe script beside its siblings, or imported from the package
+        from ggufcheck_fatbin import elf_sections
+    except ImportError:
+        from ggufcheck.probe.scripts.ggufcheck_fatbin import elf_sections
+
+    with open(path, "rb") as f:
+        sections = elf_sections(f)
+        if ".dynamic" not in sections or ".dynstr" not in sections:
+            return []
+        off, size = sections[".dynamic"]
+        f.seek(off)
+        dynamic = f.read(min(size, 1 << 20))
+        soff, ssize = sections[".dynstr"]
+        f.seek(soff)
+        strings = f.read(min(ssize, 16 << 20))
+    out = []
+    for i in range(0, len(dynamic) - 15, 16):
+        tag, value = struct.unpack_from("<qQ", dynamic, i)
+        if tag == 0:
+            break
+        if tag == DT_NEEDED and value < len(strings):
+            end = strings.find(b"\0", value)
+            out.append(strings[value:end].decode("latin-1"))
+    return out
+
+
+def toolkit_release(path: str) -> str | None:
+    """The CUDA toolkit release a binary records in plain text (e.g. "13.2.78"), or None."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return None
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            found = TOOLKIT.search(m)
+            return found.group(2).decode() if found else None
+
+
+def ggml_commit(lib_dir: str) -> str | None:
+    """``ggml_commit()`` of the folder's libggml-base (loaded by path; it opens no device)."""
+    import ctypes
+
+    path = os.path.join(lib_dir, "libggml-base.so")
+    if not os.path.isfile(path):
+        return None
+    try:
+        fn = getattr(ctypes.CDLL(path), "ggml_commit", None)
+    except OSError:
+        return None
+    if fn is None:
+        return None
+    fn.restype = ctypes.c_char_p
+    value = fn()
+    return value.decode("utf-8", "replace") if value else None
+
+
+def llama_cpp_build(package_dir: str) -> dict:
+    """The build facts of the llama.cpp libraries ``llama_cpp`` (at ``package_dir``) loads."""
+    lib_dir = os.environ.get("LLAMA_CPP_LIB_PATH") or os.path.join(package_dir, "lib")
+    out: dict = {"lib_dir": lib_dir, "backends": [], "ggml_version": None, "ggml_commit": None}
+    if not os.path.isdir(lib_dir):
+        out["error"] = f"no library folder {lib_dir}"
+        return out
+    names = sorted(os.listdir(lib_dir))
+    for name in names:
+        m = re.fullmatch(r"libggml-base\.so\.(\d+\.\d+\.\d+)", name)
+        if m:
+            out["ggml_version"] = m.group(1)
+        m = re.fullmatch(r"libggml-([a-z0-9]+)\.so", name)
+        if m and m.group(1) != "base":
+            out["backends"].append(m.group(1))
+    out["ggml_commit"] = ggml_commit(lib_dir)
+    cuda = os.path.join(lib_dir, "libggml-cuda.so")
+    if os.path.isfile(cuda):
+        links = needed(cuda)
+        runtime = next((n for n in links if n.startswith("libcudart.so")), None)
+        out["cuda"] = {"needed": [n for n in links if "cu" in n], "runtime": runtime,
+                       "runtime_major": runtime.rsplit(".", 1)[-1] if runtime and runtime[-1].isdigit() else None,
+                       "toolkit": toolkit_release(cuda)}
+    return out
