@@ -16,6 +16,7 @@ import mmap
 import os
 import re
 import struct
+import sys
 
 TOOLKIT = re.compile(rb"Cuda compilation tools, release (\d+\.\d+), V(\d+\.\d+\.\d+)")
 DT_NEEDED = 1
@@ -23,10 +24,9 @@ DT_NEEDED = 1
 
 def needed(path: str) -> list[str]:
     """The shared libraries an ELF file names (DT_NEEDED), in order; [] if it names none."""
-    try:  # a probe script beside its siblings, or imported from the package
-        from ggufcheck_fatbin import elf_sections
-    except ImportError:
-        from ggufcheck.probe.scripts.ggufcheck_fatbin import elf_sections
+    if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # imported from the package, not as a probe
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from ggufcheck_fatbin import elf_sections
 
     with open(path, "rb") as f:
         sections = elf_sections(f)
