@@ -98,3 +98,16 @@ def test_vllm_and_transformers_declare_their_settings():
     names = [s.name for s in vllm_switches(parse_options("tp=2,eager=0,kv_cache_dtype=fp8", "vllm:..."))]
     assert names == ["eager=1", "prefix_caching=0", "kv_cache_dtype=auto", "tp=1"]
     assert [s.name for s in vllm_switches(parse_options("prefix_caching=0", "vllm:..."))] == []
+
+
+def test_llama_cpps_gpu_switches_keep_the_library_out_of_torchs_process():
+    from types import SimpleNamespace
+
+    from ggufcheck.engines.llama_cpp import llama_cpp_switches
+
+    params = SimpleNamespace(flash_attn_type=-1, type_k=8, type_v=8)
+    switches = {s.name: s for s in llama_cpp_switches(params, n_gpu_layers=99, n_batch=512)}
+    assert set(switches) == {"flash_attn=0", "type_k=1,type_v=1", "n_gpu_layers=0,isolate=1", "n_batch=8"}
+    flipped = parse_spec("llama-cpp:n_gpu_layers=99").with_settings(switches["n_gpu_layers=0,isolate=1"].safe)
+    assert flipped.text == "llama-cpp:n_gpu_layers=0,isolate=1"
+    assert llama_cpp_switches(SimpleNamespace(flash_attn_type=0, type_k=1, type_v=1), 0, 512) == ()

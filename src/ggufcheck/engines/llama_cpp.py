@@ -188,7 +188,8 @@ def llama_cpp_switches(params: Any, n_gpu_layers: int, n_batch: int) -> tuple[Sw
     if kv != {"type_k": 1, "type_v": 1}:
         out.append(Switch({"type_k": 1, "type_v": 1}, kv, "a KV cache stored in another type than F16", "kv-cache"))
     if n_gpu_layers:
-        out.append(Switch({"n_gpu_layers": 0}, {"n_gpu_layers": n_gpu_layers},
+        # isolate=1: the same GPU library, never in a process with torch (engines/isolated.py)
+        out.append(Switch({"n_gpu_layers": 0, "isolate": 1}, {"n_gpu_layers": n_gpu_layers},
                           "the GPU backend (every layer on the CPU instead)", "kernel"))
         if n_batch > 8:
             out.append(Switch({"n_batch": 8}, {"n_batch": n_batch}, "the matrix-matrix kernels (a prompt in pieces "
