@@ -83,7 +83,8 @@ _EXPERT_NAME = re.compile(r"\.experts\.(\d+)\.")
 
 def check_loaded_weights(model: "GGUFModel", spec: ArchSpec, table: TensorTable,
                          loaded: Mapping[int, Mapping[str, Tensor]], tp: int,
-                         layout: str = "checkpoint", experts: tuple[int, ...] | None = None) -> list[Result]:
+                         layout: str = "checkpoint", experts: tuple[int, ...] | None = None,
+                         expert_parallel: bool = False) -> list[Result]:
     """Every rank's loaded parameters against their expected slices (see module docstring).
 
     ``experts`` (``--experts``): of the stacked expert parameters, only these experts' rows
@@ -137,7 +138,10 @@ def check_loaded_weights(model: "GGUFModel", spec: ArchSpec, table: TensorTable,
                             unlisted_layers[rank].append(param.group.layer)
                 continue
             full = full_by_name[name] if name in full_by_name else next(iter(full_by_name.values()))
-            want = expected_slice(full, param, rank, tp, n_kv, layout)
+            if expert_parallel and expert is not None:  # a whole expert on the rank that holds it
+                want = expected_slice(full, param, 0, 1, n_kv, layout)
+            else:
+                want = expected_slice(full, param, rank, tp, n_kv, layout)
             problem = diagnose_slice(got, want, full, param, rank, tp, n_kv, spec)
             if problem is None:
                 n_ok[rank] += 1
@@ -309,8 +313,13 @@ def check_engine_weights(model: "GGUFModel", spec: ArchSpec, table: TensorTable,
     tp = int(caps.tp_size)
     layout = caps.weight_layout
     wanted = names if names is not None else sorted(hf_params(spec, table, model.tensors, layout))
-    loaded = {rank: LazyRankWeights(engine, wanted, rank) for rank in range(tp)}
-    results = check_loaded_weights(model, spec, table, loaded, tp, layout, experts)
+    placed: list[Result] = []
+    if caps.expert_parallel:  # each rank is asked for the experts it holds, by global id
+        loaded, placed = _expert_parallel_ranks(engine, wanted, tp)
+    else:
+        loaded = {rank: LazyRankWeights(engine, wanted, rank) for rank in range(tp)}
+    results = placed + check_loaded_weights(model, spec, table, loaded, tp, layout, experts,
+                                            expert_parallel=caps.expert_parallel)
     missing = [f"{name}@{rank}" for rank, per_rank in loaded.items() for name in per_rank.missing]
     if missing:
         results.append(skipped("weights.loaded.exposed", "weights",
@@ -322,6 +331,44 @@ def check_engine_weights(model: "GGUFModel", spec: ArchSpec, table: TensorTable,
                                f"the engine holds {len(unaudited)} parameter(s) the audit could not compare with "
                                f"the file, e.g. {unaudited[0]}", stats={"names": unaudited[:50]}))
     return results
+
+
+def _expert_parallel_ranks(engine, wanted: list[str], tp: int):
+    """Under expert parallelism: per rank, the parameters to audit (every non-expert one, and the
+    routed experts that rank holds by its own account), and where each expert is: every expert
+    the file has must be on exactly one rank."""
+    from ggufcheck.engines.base import Unsupported
+
+    held = {}
+    for rank in range(tp):
+        try:
+            held[rank] = set(engine.held_weight_names(rank=rank))
+        except Unsupported:
+            held[rank] = None
+    loaded = {rank: LazyRankWeights(engine, [n for n in wanted if expert_of(n) is None or held[rank] is None
+                                             or n in held[rank]], rank) for rank in range(tp)}
+    where: dict[tuple[str, int], list[int]] = {}  # (MoE module, expert) -> ranks holding it
+    for name in wanted:
+        e = expert_of(name)
+        if e is not None:
+            module = name[:name.index(f".experts.{e}.")]
+            where.setdefault((module, e), [])
+            where[(module, e)] += [r for r in range(tp) if held[r] is not None and name in held[r]
+                                   and r not in where[(module, e)]]
+    if not where or any(h is None for h in held.values()):
+        return loaded, []
+    wrong = {k: v for k, v in where.items() if len(v) != 1}
+    by_rank = {r: sorted({e for (_m, e), ranks in where.items() if ranks == [r]}) for r in range(tp)}
+    text = "; ".join(f"rank {r}: experts {index_ranges(tuple(es)) if es else 'none'}" for r, es in by_rank.items())
+    if wrong:
+        (module, e), ranks = next(iter(wrong.items()))
+        return loaded, [failed("weights.loaded.expert_placement", "moe-experts",
+                               f"expert parallelism: {len(wrong)} routed expert(s) on no rank or on several, e.g. "
+                               f"{module} expert {e} on {ranks or 'no rank'} ({text})",
+                               stats={"placement": {str(r): es for r, es in by_rank.items()}})]
+    return loaded, [passed("weights.loaded.expert_placement", "moe-experts",
+                           f"expert parallelism: every routed expert on exactly one rank, audited by its global id "
+                           f"({text})", stats={"placement": {str(r): es for r, es in by_rank.items()}})]
 
 
 def _unaudited(engine, audited: set[str], tp: int, spec: ArchSpec) -> list[str]:

@@ -109,6 +109,9 @@ class Capabilities:
     # says so in the report. Empty: the reference reads the file as llama.cpp does.
     reference_options: Mapping[str, Any] = field(default_factory=dict)
     tp_size: int = 1
+    # expert parallelism: each rank holds whole routed experts, a share of them, by global id
+    # (the weights audit expects an expert whole, on exactly one rank)
+    expert_parallel: bool = False
     max_sequence: int | None = None  # the longest sequence the engine takes (its context), if known
     # the engine's prompt micro-batch (llama.cpp n_ubatch): a prompt longer than this is
     # processed in pieces, a length landmark of the prefill sweep (checks.lengths)

@@ -89,6 +89,7 @@ class VllmOptions:
     eager: bool = True
     prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
+    ep: bool = False  # expert parallelism: each rank holds whole experts, a share of them (enable_expert_parallel)
 
 
 def parse_options(rest: str, spec: str) -> VllmOptions:
@@ -111,7 +112,7 @@ def parse_options(rest: str, spec: str) -> VllmOptions:
                 raise UsageError(f"--engine {spec}: {key} must be a number of seconds, not {value!r}") from None
         elif key == "python":
             opts = replace(opts, python=value)
-        elif key in ("export", "eager", "prefix_caching"):
+        elif key in ("export", "eager", "prefix_caching", "ep"):
             if value not in ("0", "1"):
                 raise UsageError(f"--engine {spec}: {key} must be 0 or 1, not {value!r}")
             opts = replace(opts, **{key: value == "1"})
@@ -125,9 +126,29 @@ def parse_options(rest: str, spec: str) -> VllmOptions:
                 raise UsageError(f"--engine {spec}: dtype must be one of {', '.join(DTYPES)}, not {value!r}")
             opts = replace(opts, dtype=value)
         else:
-            known = sorted(ints | floats | {"dtype", "python", "export", "eager", "prefix_caching", "kv_cache_dtype"})
+            known = sorted(ints | floats | {"dtype", "python", "export", "eager", "prefix_caching", "kv_cache_dtype",
+                                            "ep"})
             raise UsageError(f"--engine {spec}: unknown option {key!r}", tip=f"known: {', '.join(known)}")
     return opts
+
+
+def held_experts(meta: dict) -> list[int]:
+    """The global ids of the routed experts a rank's fused expert parameter holds: all of them,
+    or under expert parallelism those its ``expert_map`` (global id -> local slot, -1 elsewhere)
+    places here."""
+    expert_map = meta.get("expert_map")
+    if expert_map is None:
+        return list(range(meta["shape"][0]))
+    return [g for g, slot in enumerate(expert_map) if slot >= 0]
+
+
+def local_expert(meta: dict, global_id: int) -> int | None:
+    """The slot of global expert ``global_id`` in a rank's fused expert parameter (None: not here)."""
+    expert_map = meta.get("expert_map")
+    if expert_map is None:
+        return global_id
+    slot = expert_map[global_id] if 0 <= global_id < len(expert_map) else -1
+    return None if slot < 0 else int(slot)
 
 
 def vllm_switches(options: VllmOptions) -> tuple[Switch, ...]:
@@ -368,7 +389,7 @@ class VllmEngine(Engine):
         request = {"model": str(served), "config_dir": str(config_dir), "tp": options.tp,
                    "dtype": DTYPES[options.dtype], "max_model_len": options.max_model_len,
                    "eager": options.eager, "prefix_caching": options.prefix_caching,
-                   "kv_cache_dtype": options.kv_cache_dtype}
+                   "kv_cache_dtype": options.kv_cache_dtype, "ep": options.ep}
         hello, _ = self._worker.request(request, timeout=options.start_timeout)
         if not hello.get("ok"):
             self._worker.close()
@@ -397,7 +418,7 @@ class VllmEngine(Engine):
             chunked_prefill=bool(hello.get("chunking")),
             layer_outputs=frozenset(k for k in hello.get("kinds", []) if k in LAYER_KINDS),
             weights=True, tp_size=options.tp, activation_dtype=act, weight_layout="checkpoint",
-            switches=vllm_switches(options),
+            switches=vllm_switches(options), expert_parallel=options.ep and options.tp > 1,
             max_sequence=options.max_model_len - 1,  # a score asks for one more token's logits
             reasons=reasons(chunked_prefill=str(hello.get("chunking_why", ""))),
         )
@@ -527,9 +548,8 @@ class VllmEngine(Engine):
                 continue  # W_UK_T / W_UV are audited folded back into kv_b_proj
             expert = re.match(r"^(.*\.mlp\.experts)\.(?:[a-z_]+\.)?(w13_weight|w2_weight)$", name)
             if expert:
-                n_expert = held[name]["shape"][0]
                 projs = ("gate_proj", "up_proj") if expert[2] == "w13_weight" else ("down_proj",)
-                out += [f"{expert[1]}.{e}.{p}.weight" for e in range(n_expert) for p in projs]
+                out += [f"{expert[1]}.{e}.{p}.weight" for e in held_experts(held[name]) for p in projs]
                 continue
             leaf = "weight" if leaf == "qweight" else leaf
             parent, _, proj = module.rpartition(".")
@@ -592,7 +612,10 @@ class VllmEngine(Engine):
         name = next((n for n in held if n.startswith(base + ".") and n.endswith(want)), None)
         if name is None:
             raise Unsupported(f"vLLM holds no {want} under {base} on rank {rank}")
-        w = self._read(name, rank)[e]
+        local = local_expert(held[name], e)
+        if local is None:
+            raise Unsupported(f"expert {e} of {base} is not on rank {rank} (expert parallelism: its expert_map)")
+        w = self._read(name, rank)[local]
         if proj == "down_proj":
             return np.ascontiguousarray(w)
         half = w.shape[0] // 2

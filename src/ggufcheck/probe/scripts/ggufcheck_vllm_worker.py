@@ -492,6 +492,16 @@ def rank_collect(worker, seqs, want_layers):
     return result
 
 
+def _expert_map(mod):
+    """A FusedMoE module's expert_map as a list (None without expert parallelism)."""
+    expert_map = getattr(mod, "expert_map", None)
+    if expert_map is None:
+        expert_map = getattr(mod, "_expert_map", None)
+    if expert_map is None or not hasattr(expert_map, "tolist"):
+        return None
+    return [int(v) for v in expert_map.tolist()]
+
+
 def rank_params(worker):
     """Every parameter this rank holds: name -> (shape, dtype, metadata of merged/quantized ones)."""
     model = _model(worker)
@@ -512,6 +522,11 @@ def rank_params(worker):
             if w is not None:
                 out[f"{mod_name}.{name}"] = {"shape": list(w.shape), "dtype": str(w.dtype).replace("torch.", ""),
                                               "packed": True}
+        expert_map = _expert_map(mod)
+        if expert_map is not None:  # expert parallelism: global expert id -> this rank's slot (-1: elsewhere)
+            for name in ("w13_weight", "w2_weight"):
+                if f"{mod_name}.{name}" in out:
+                    out[f"{mod_name}.{name}"]["expert_map"] = expert_map
         if hasattr(mod, "_ggufcheck_loaded_weight"):
             w = mod._ggufcheck_loaded_weight
             out[f"{mod_name}.weight"] = {"shape": list(w.shape), "dtype": str(w.dtype).replace("torch.", ""),
@@ -652,6 +667,8 @@ class Driver:
                       seed=0, disable_log_stats=True)
         if int(req.get("tp", 1)) > 1:
             kwargs["distributed_executor_backend"] = "mp"
+        if req.get("ep"):  # expert parallelism: whole experts, a share per rank
+            kwargs["enable_expert_parallel"] = True
         backend, why = _mla_backend(req)
         self.notes = [why] if backend else []
         if backend:
