@@ -609,3 +609,20 @@ def test_expert_parallel_ranks_are_audited_by_global_expert_id(vllm_python, deep
     wrong = [r for r in audit() if r.failed]
     assert wrong and all(r.component == "moe-experts" and r.layer == 1 for r in wrong), [r.message for r in wrong]
     assert {r.stats["rank"] for r in wrong} == {0, 1}
+
+
+def test_a_dead_rank_process_is_named_instead_of_the_error_after_it(tmp_path):
+    """After a rank process died, vLLM answers the next request with an unrelated error ("refused
+    to reset its prefix cache", "cancelled"); the engine names the death from vLLM's log."""
+    from types import SimpleNamespace
+
+    from ggufcheck.engines.vllm import VllmEngine
+
+    log = tmp_path / "vllm.log"
+    log.write_text("INFO ok\n(MainProcess pid=1) ERROR 12-07 [multiproc_executor.py:315] Worker proc VllmWorker-1 "
+                   "died unexpectedly (exit code: -11), shutting down executor.\n")
+    engine = VllmEngine.__new__(VllmEngine)
+    engine._worker = SimpleNamespace(log_path=log)
+    assert engine._worker_death() == "vLLM's rank process VllmWorker-1 died (exit code -11: SIGSEGV)"
+    log.write_text("INFO all well\n")
+    assert engine._worker_death() is None

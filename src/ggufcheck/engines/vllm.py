@@ -438,8 +438,28 @@ class VllmEngine(Engine):
         reply, out = self._worker.request(header, arrays, timeout=self.options.request_timeout)
         if not reply.get("ok"):
             message = str(reply.get("error", "unknown error")).splitlines()[0][:400]
+            died = self._worker_death()
+            if died:  # the error a request sees after a rank died says nothing of the death: say it
+                raise EngineUnreachable(f"vLLM failed {header.get('op')}: {died} (then: {message})",
+                                        tip=f"vLLM's log: {self._worker.log_path}")
             raise Unsupported(f"vLLM failed {header.get('op')}: {message}")
         return reply, out
+
+    def _worker_death(self) -> str | None:
+        """Which of vLLM's rank processes died and how, where vLLM's log says one did; else None."""
+        try:
+            with open(self._worker.log_path, "rb") as f:
+                f.seek(max(0, f.seek(0, 2) - (1 << 20)))
+                tail = f.read().decode("utf-8", "replace")
+        except OSError:
+            return None
+        found = re.findall(r"Worker proc (\S+) died unexpectedly \(exit code: ([^)]*)\)", tail)
+        if not found:
+            return None
+        proc, code = found[-1]
+        signal_name = {"-11": "SIGSEGV", "-9": "SIGKILL", "-6": "SIGABRT"}.get(code.strip())
+        return (f"vLLM's rank process {proc} died (exit code {code.strip()}"
+                + (f": {signal_name}" if signal_name else "") + ")")
 
     def _check(self, seqs: list[list[int]], new_tokens: int) -> None:
         for s in seqs:
