@@ -40,7 +40,11 @@ fi
 if ls .gpu/prebuilt/bin.tar.xz.part* >/dev/null 2>&1; then
   mkdir -p $B && cat .gpu/prebuilt/bin.tar.xz.part* | xz -d | tar -C $B -x && echo "=== unpacked the carried build t=${SECONDS}s"
 elif has build; then
+  # GGML_NATIVE=OFF: a -march=native build on an AMX host died with SIGSEGV at the first decode
+  # (this CPU machine kind: native crashes, the AVX2 build below works; the H100 host of 2026-12-07:
+  # every row of the matrix died the same way), so the CPU side is built for AVX2 as the wheels are
   cmake -S .gpu/llama.cpp -B $B -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
+    -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
     -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release > $W/cmake.log 2>&1 \
     || { tail -30 $W/cmake.log; exit 1; }
   echo "=== configured t=${SECONDS}s"
@@ -218,8 +222,9 @@ if has envtime; then  # where the environment stage's time goes (imports, fatbin
   python3 -c "import json; d=json.load(open('$W/envtime.json')); print([ (s['stage'], s['info'].get('time')) for s in d['stages']])"
 fi
 
-if has provenance; then  # issue 37 item 5: what a CUDA build says of the toolkit that compiled it
+if has provenance; then { # issue 37 item 5: what a CUDA build says of the toolkit that compiled it
   nvcc --version | tail -2
+  python3 -c "import json; from ggufcheck.probe.scripts.ggufcheck_build_info import llama_cpp_build as b; print(json.dumps(b('.gpu/site/llama_cpp')))"
   for f in $B/bin/libggml-cuda.so*; do [ -f "$f" ] || continue; echo "== $f"
     strings -n 8 "$f" | grep -i -m8 "cuda compilation tools\|nvcc\|V1[0-9]\.[0-9]*\.[0-9]" | cut -c1-200
     readelf -d "$f" | grep NEEDED
@@ -235,9 +240,11 @@ with open(sys.argv[1], "rb") as f:
     print("fatbin header + first entry header:", head.hex())
 EOF2
   done
+} 2>&1 | tee $W/provenance.log  # kept in results.tgz
 fi
 
 if has arith; then  # issue 36 item 1: each path against its stated arithmetic, at two widths
+  grep -o -m1 "amx[a-z_0-9]*" /proc/cpuinfo | head -1 | sed 's/^/host CPU has: /'
   TAILN=45 step 200 ar-256 python3 -m ggufcheck quants --engine llama-cpp:n_gpu_layers=99 --json $W/ar-256.json
   TAILN=45 step 330 ar-1024 python3 -m ggufcheck quants --width 1024 --engine llama-cpp:n_gpu_layers=99 --json $W/ar-1024.json
 fi
