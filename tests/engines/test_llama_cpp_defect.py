@@ -1,8 +1,10 @@
-"""A fault in the real engine (issue 36 item 6): llama.cpp built from its own source with one line
-of one CPU kernel changed (testing/llama_cpp_build.py: the AVX2 Q4_K matrix-vector kernel's min
-term 3% small). The kernel matrix must fail exactly that type on exactly that path, naming the
-kernels, though the error is far inside the class allowance; the other types pass on the same
-build. (The same kind of defect on the GPU: tools/gpu/llama_cpp_cuda.sh defectq5k.)"""
+"""Faults in the real engine (issues 36 item 6, 37 item 1): llama.cpp built from its own source
+with two one-line defects (testing/llama_cpp_build.py): the AVX2 Q4_K matrix-vector kernel's min
+term 3% small, and the flash-attention graph path's score scale 1.25x. The kernel matrix must
+fail exactly that type on exactly that path, naming the kernels, though the error is far inside
+the class allowance, and pass the other types; with flash attention on, the diagnosis must name
+flash_attn=0 as the setting whose flip makes the failure go away. (The same kind of kernel
+defect on the GPU: tools/gpu/llama_cpp_cuda.sh defectq5k.)"""
 
 from __future__ import annotations
 
@@ -18,10 +20,10 @@ pytestmark = pytest.mark.llama
 
 @pytest.fixture(scope="module")
 def defect_library():
-    from ggufcheck.testing.llama_cpp_build import built_library
+    from ggufcheck.testing.llama_cpp_build import TEST_DEFECTS, built_library
 
     try:
-        return built_library("q4_k-gemv-min")  # ~2-4 minutes on 2 cores, once (cached)
+        return built_library(TEST_DEFECTS)  # ~2-4 minutes on 2 cores, once (cached)
     except Unavailable as why:
         pytest.skip(str(why))
 
@@ -39,6 +41,24 @@ def test_the_kernel_matrix_names_the_broken_kernel_of_a_real_build(defect_librar
     assert 0.7 < engine_kl / emulated_kl < 1.4  # its matrix-matrix kernels are right
     assert q4k["message"].startswith("Q4_K decode (matrix-vector kernels): ")
     assert "off their stated arithmetic" in capsys.readouterr().out
+
+
+def test_the_switch_stage_names_flash_attention_in_a_real_build(defect_library, tmp_path, monkeypatch):
+    from ggufcheck.diagnose.plan import DiagnoseOptions, diagnose
+    from ggufcheck.synthetic.tiny import build_tiny_gguf
+
+    monkeypatch.setenv("LLAMA_CPP_LIB_PATH", str(defect_library))
+    path = build_tiny_gguf("llama", tmp_path / "m.gguf", qtypes="Q8_0", seed=1, n_embd=256, head_dim=64,
+                           n_ff=512).path
+    d = diagnose(DiagnoseOptions(model=path, engine="llama-cpp:isolate=1,flash_attn=1", sanity=False, kernels=False,
+                                 max_prompts=2, sweep_to=0, decode_to=0))
+    v = d.verdict
+    assert not v.healthy and v.evidence["switch"]["check"] == "switches.flash_attn=0", v.message
+    assert "healthy with flash_attn=0" in v.message and v.next_steps.startswith("run with flash_attn=0")
+    # the same build without flash attention is healthy: the defect is on that path only
+    ok = diagnose(DiagnoseOptions(model=path, engine="llama-cpp:isolate=1", sanity=False, kernels=False,
+                                  max_prompts=2, sweep_to=0, decode_to=0))
+    assert ok.verdict.healthy, ok.verdict.message
 
 
 def test_a_defect_whose_line_moved_is_refused(tmp_path):

@@ -49,7 +49,18 @@ DEFECTS = {
         new="_mm256_mul_ps(_mm256_mul_ps(col_dmin_f32, _mm256_set1_ps(0.97f)), row_scale_f32), acc_min_rows);",
         what="ggml-cpu's AVX2 Q4_K matrix-vector kernel (repacked 8x8) scales its min term by 0.97",
         qtype="Q4_K", path="decode"),
+    # llama.cpp's graph: the flash-attention path (flash_attn=1) scales the scores 1.25x; the
+    # path without flash attention is right, so flipping flash_attn makes the failure go away
+    "flash-attn-scale": Defect(
+        file="src/llama-graph.cpp",
+        after="cur = ggml_flash_attn_ext(ctx0, q, k, v, kq_mask,",
+        old="kq_scale, hparams.f_max_alibi_bias,",
+        new="kq_scale * 1.25f, hparams.f_max_alibi_bias,",
+        what="llama.cpp's flash-attention graph path scales the attention scores 1.25x",
+        qtype="", path="flash attention"),
 }
+# the defects the tests build into one library (each reached only by its own type or setting)
+TEST_DEFECTS = ("flash-attn-scale", "q4_k-gemv-min")
 
 # the parts of the sdist's vendor/llama.cpp a CPU build of libllama needs
 _BUILD_PARTS = ("CMakeLists.txt", "cmake/", "ggml/", "include/", "src/", "common/", "vendor/", "licenses/", "LICENSE")
@@ -62,14 +73,17 @@ def build_dir() -> Path:
     return Path(os.environ.get(BUILD_ENV) or _default_cache_dir() / "llama-cpp-builds")
 
 
-def built_library(defect: str | None = None) -> Path:
-    """The folder holding libllama and libggml* of llama.cpp with ``defect`` (None: healthy),
-    built once and cached. Raises Unavailable (with why) without cmake, ninja or a compiler."""
-    if defect is not None and defect not in DEFECTS:
-        raise KeyError(f"unknown defect {defect!r}; known: {', '.join(DEFECTS)}")
+def built_library(defects: str | tuple[str, ...] | None = None) -> Path:
+    """The folder holding libllama and libggml* of llama.cpp with ``defects`` (names of
+    :data:`DEFECTS`; None: healthy), built once and cached. Raises Unavailable (with why)
+    without cmake, ninja or a compiler."""
+    names = tuple(sorted({defects} if isinstance(defects, str) else set(defects or ())))
+    unknown = [d for d in names if d not in DEFECTS]
+    if unknown:
+        raise KeyError(f"unknown defect(s) {', '.join(unknown)}; known: {', '.join(DEFECTS)}")
     from ggufcheck.testing.convert import LLAMA_CPP_PYTHON_VERSION
 
-    out = build_dir() / f"llama-cpp-python-{LLAMA_CPP_PYTHON_VERSION}-{defect or 'healthy'}"
+    out = build_dir() / f"llama-cpp-python-{LLAMA_CPP_PYTHON_VERSION}-{'+'.join(names) or 'healthy'}"
     if (out / "libllama.so").is_file():
         return out
     missing = [tool for tool in ("cmake", "ninja", "cc", "c++") if shutil.which(tool) is None]
@@ -78,8 +92,8 @@ def built_library(defect: str | None = None) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".build-") as tmp:
         source = _source(Path(tmp))
-        if defect is not None:
-            apply_defect(source, DEFECTS[defect])
+        for name in names:
+            apply_defect(source, DEFECTS[name])
         build = Path(tmp) / "build"
         configure = ["cmake", "-S", str(source), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
                      "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
