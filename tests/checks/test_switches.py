@@ -11,7 +11,7 @@ from ggufcheck.engines.base import Switch
 from ggufcheck.engines.spec import parse_spec
 from ggufcheck.results import StageReport, Status, failed, passed
 
-FLASH = Switch({"flash_attn": 0}, {"flash_attn": 1}, "the flash-attention kernels", "attention")
+FLASH = Switch({"flash_attn": 0}, {"flash_attn": 1}, "the flash-attention path", "attention")
 FAULT = "python:ggufcheck.testing.faults:flash_attention_fault"
 
 

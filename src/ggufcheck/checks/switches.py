@@ -9,7 +9,7 @@ engine is reopened with that one setting flipped (``EngineSpec.with_settings``) 
 comparison (``checks.compare.serve``: the same prompts, reference and limits, and a baseline run
 of the flipped engine's own class) runs again. The stage then says, per setting:
 
-- FAIL "healthy with flash_attn=0: the flash-attention kernels are wrong" when every served
+- FAIL "healthy with flash_attn=0: what goes wrong is in the flash-attention path" when every served
   check that failed passes with the flip (the component is the setting's: ``Switch.component``);
 - PASS "flipping it changes nothing" (still failing: that path is not the cause) or "it fixes
   some checks" (a partial lead, with the checks named);
@@ -111,7 +111,7 @@ def judge(switch, failing: list[str], stages: list[StageReport]) -> Result:
     stats = {"flip": dict(switch.safe), "from": dict(switch.current), "fixed": fixed, "still_failing": now_failing}
     if failing and not now_failing:
         return failed(check, switch.component,
-                      f"healthy with {switch.name} (it was {was}): {switch.what} are wrong here; every served check "
+                      f"healthy with {switch.name} (it was {was}): what goes wrong is in {switch.what}; every served check "
                       f"that failed ({_few(failing)}) passes with this one setting flipped", stats=stats)
     if not failing:
         if now_failing:  # healthy as deployed; the other path is broken (a warning: not this deployment's fault)
@@ -122,7 +122,7 @@ def judge(switch, failing: list[str], stages: list[StageReport]) -> Result:
     if fixed:
         return passed(check, switch.component,
                       f"with {switch.name}, {_few(fixed)} pass but {_few(now_failing)} still fail: "
-                      f"{switch.what} account for part of the failure at most", stats=stats)
+                      f"part of the failure at most is in {switch.what}", stats=stats)
     return passed(check, switch.component,
-                  f"flipping {switch.name} changes nothing: {_few(now_failing)} still fail, so {switch.what} "
-                  "are not the cause", stats=stats)
+                  f"flipping {switch.name} changes nothing: {_few(now_failing)} still fail, so the cause is not in "
+                  f"{switch.what}", stats=stats)

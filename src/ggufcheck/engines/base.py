@@ -74,7 +74,7 @@ class Switch:
     """One engine setting a user flips to see the output change (issue 37's most common way a
     cause was found): the spec options that set its safe value (``safe``, e.g. {"flash_attn":
     0}), what they are now (``current``), the path the flip avoids (``what``: "the
-    flash-attention kernels") and the component named when the flip makes a failure go away."""
+    flash-attention path") and the component named when the flip makes a failure go away."""
 
     safe: Mapping[str, Any]
     current: Mapping[str, Any]

@@ -183,7 +183,7 @@ def llama_cpp_switches(params: Any, n_gpu_layers: int, n_batch: int) -> tuple[Sw
     out = []
     if int(getattr(params, "flash_attn_type", 0)) != 0:  # enabled (1) or auto (-1)
         out.append(Switch({"flash_attn": 0}, {"flash_attn": int(params.flash_attn_type)},
-                          "the flash-attention kernels", "attention"))
+                          "the flash-attention path", "attention"))
     kv = {"type_k": int(params.type_k), "type_v": int(params.type_v)}
     if kv != {"type_k": 1, "type_v": 1}:
         out.append(Switch({"type_k": 1, "type_v": 1}, kv, "a KV cache stored in another type than F16", "kv-cache"))

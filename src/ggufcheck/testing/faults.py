@@ -838,7 +838,7 @@ def flash_attention_fault(model_path: str | Path, flash_attn: int = 1) -> Engine
         return engine
     engine = make_faulty_engine("attention-scale-wrong", model_path)
     engine.capabilities = replace(engine.capabilities, switches=(
-        Switch({"flash_attn": 0}, {"flash_attn": 1}, "the flash-attention kernels", "attention"),))
+        Switch({"flash_attn": 0}, {"flash_attn": 1}, "the flash-attention path", "attention"),))
     engine.name = f"reference fp32 with a wrong flash-attention kernel ({Path(model_path).name})"
     return engine
 
