@@ -140,12 +140,9 @@ class MatrixRow:
 
     def rounding_excess(self) -> dict[str, float]:
         """The paths whose KL exceeds their :meth:`emulation_limit`, with the ratio to their emulation."""
-        out = {}
-        for path, (kl, _emulated) in self.arithmetic.items():
-            limit = self.emulation_limit(path)
-            if kl is not None and limit is not None and kl > limit and (ratio := self.times_emulated(path)):
-                out[path] = ratio
-        return out
+        from ggufcheck.checks.arithmetic import excess
+
+        return {path: ratio for path, pair in self.arithmetic.items() if (ratio := excess(pair)) is not None}
 
     def rounding_finding(self) -> str:
         """The finding naming the paths that compute off their stated arithmetic ("" if none)."""
@@ -167,8 +164,7 @@ class MatrixRow:
         stats = {k: v for k, v in (("prefill_kl", self.prefill_kl), ("prefill_limit", self.prefill_limit),
                                    ("argmax", self.argmax), ("decode_kl", self.decode_kl),
                                    ("prefill_vs_decode_kl", self.prefill_vs_decode_kl),
-                                   ("emulation_kl", self.emulation_kl),
-                                   ) if v is not None}
+                                   ("emulation_kl", self.emulation_kl)) if v is not None}
         if self.arithmetic:  # per path: [the engine's KL, the stated arithmetic's KL] on the same rows
             stats["arithmetic"] = {path: list(pair) for path, pair in self.arithmetic.items()}
         if self.failed_paths:
@@ -248,15 +244,11 @@ def path_arithmetic(session, stages: list[StageReport]) -> dict[str, tuple[float
     Empty without an emulation (the engine states none) or a reference."""
     from ggufcheck.checks.arithmetic import means, row_kls
 
-    emulation = session.emulation().get("emulate")
-    spec = session.options.baseline
-    if emulation is None or spec.split(":")[0] != "reference" or session.reference() is None:
+    if (not session.emulation() or session.options.baseline.split(":")[0] != "reference"
+            or session.reference() is None):
         return {}
-    from ggufcheck.engines.spec import open_engine
-
     reference, engine = session.reference(), session.engine()
-    emulated = open_engine(spec, session.options.model, **session.semantics(), emulate=emulation,
-                           device=session.reference_device)
+    emulated = session.baseline_for(engine)  # the reference rounding as the engine states
     out: dict[str, tuple[float, float]] = {}
     try:
         rows = [row_kls(reference.score(p), engine.score(p), emulated.score(p), 0) for p in session.tokens()]
