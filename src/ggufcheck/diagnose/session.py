@@ -164,25 +164,20 @@ class Session:
     def baseline(self):
         """The baseline run (``--baseline``): a correct engine's expected error, measured."""
         if self._baseline is None and self.options.baseline != "none":
-            from ggufcheck.engines.spec import open_engine
-
-            spec = self.options.baseline
-            kwargs = {}
-            if spec.split(":")[0] == "reference":  # the engine's semantics, rounding as its class does
-                kwargs = {**self.semantics(), **self.emulation(), "device": self.reference_device}
-            self._baseline = open_engine(spec, self.options.model, **kwargs)
+            self._baseline = self.baseline_for(None)
         return self._baseline
 
     def baseline_for(self, engine: Any):
-        """A new baseline run for another ``engine`` than the session's (the switch stage's
-        flipped one: its own precision class); the caller closes it. None with --baseline none."""
+        """A new baseline run for ``engine`` (None: the session's; another: the switch stage's
+        flipped one, with its own precision class): the engine's semantics, rounding as its class
+        does; the caller closes one it asked for itself. None with --baseline none."""
         from ggufcheck.engines.spec import open_engine
 
         spec = self.options.baseline
         if spec == "none":
             return None
         kwargs = {}
-        if spec.split(":")[0] == "reference":
+        if spec.split(":")[0] == "reference":  # the engine's semantics, rounding as its class does
             kwargs = {**self.semantics(), **self.emulation(engine), "device": self.reference_device}
         return open_engine(spec, self.options.model, **kwargs)
 
