@@ -97,6 +97,12 @@ class Result:
             out["worst"] = _jsonable(self.worst)
         return out
 
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> "Result":
+        """A Result read back from :meth:`to_json` (a saved run's stages that are not re-judged)."""
+        return cls(doc["check"], Status(doc["status"]), doc["component"], doc["message"], tensor=doc.get("tensor"),
+                   layer=doc.get("layer"), stats=dict(doc.get("stats") or {}), worst=doc.get("worst"))
+
 
 def passed(check: str, component: str, message: str, **kw: Any) -> Result:
     return Result(check, Status.PASS, component, message, **kw)
@@ -151,6 +157,10 @@ class StageReport:
             "info": _jsonable(self.info),
             "results": [r.to_json() for r in self.results],
         }
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> "StageReport":
+        return cls(doc["stage"], [Result.from_json(r) for r in doc.get("results", ())], dict(doc.get("info") or {}))
 
 
 def _jsonable(value: Any) -> Any:

@@ -31,6 +31,7 @@ COMMANDS = [
     "compare",
     "quants",
     "diagnose",
+    "rejudge",
     "export",
     "demo",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -70,6 +71,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "80%% of what is available); a stage estimated to need more is refused before the run starts")
     p.add_argument("--reference-device", default="auto", metavar="DEV",
                    help="where the fp64 reference runs: auto (a GPU with room, else the CPU), cpu, cuda or cuda:N")
+    p.add_argument("--save-run", type=Path, metavar="DIR",
+                   help="save every answer the engine gives in DIR (its arrays, as they come), so that "
+                        "`ggufcheck rejudge DIR` judges the run again without the engine")
     p.add_argument("--json", type=Path, help="write every stage, check and the verdict to this JSON file "
                    "(\"-\": standard output, the rest on standard error)")
     p.add_argument("--html", type=Path, help="write a self-contained HTML report with plots")
@@ -104,7 +108,24 @@ def options_from(args: argparse.Namespace) -> DiagnoseOptions:
         kernels=args.kernels, sanity=args.sanity, shard_numeric=args.shard_numeric, baseline=args.baseline,
         top_k=args.top_k, timeout=args.timeout, decode_to=args.decode_to, sweep_to=args.sweep_to,
         reference=args.reference, switches=args.switches, switch_budget=args.switch_budget,
+        save_run=save_run_dir(args.save_run) if args.save_run else None,
     )
+
+
+def save_run_dir(path: Path) -> Path:
+    """--save-run DIR: a new or empty directory, or one holding an earlier saved run (replaced);
+    never a folder of other files, which a run would litter."""
+    from ggufcheck.engines.recorded import MANIFEST
+
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--save-run {path}: is a file, not a directory")
+    if path.is_dir() and any(path.iterdir()) and not (path / MANIFEST).is_file():
+        raise UsageError(f"--save-run {path}: the directory holds other files (not a saved run)",
+                         tip="name a new or empty directory")
+    parent = path if path.is_dir() else path.parent
+    if parent.is_dir() and not os.access(parent, os.W_OK):
+        raise UsageError(f"--save-run {path}: not writable")
+    return path
 
 
 def parse_layers(text: str) -> tuple[int, ...]:

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from ggufcheck.diagnose.session import DiagnoseOptions, Progress, Session
+from ggufcheck.diagnose.session import NOT_REPLAYED, DiagnoseOptions, Progress, Session
 from ggufcheck.diagnose.verdict import Verdict, decide
 from ggufcheck.errors import EngineUnreachable, GGUFCheckError, Unavailable, UsageError
 from ggufcheck.results import StageReport, errored, skipped
@@ -130,13 +130,20 @@ def diagnose(options: DiagnoseOptions, progress: Progress | None = None, engine:
                 raise UsageError(f"--reference {spec}: unavailable: {err.message}", tip=err.tip) from None
         for number, stage in enumerate(PLAN, 1):
             say(f"stage {number}/{len(PLAN)}: {stage.name}")
+            carried = session.carried(stage.name) if options.replayed else None
+            if carried is not None:  # a saved run's stage that cannot be judged again: its reports as saved
+                stages.extend(carried)
+                continue
             reason = stage.when(session)
+            if reason is None and options.replayed:
+                reason = NOT_REPLAYED.get(stage.name)
             if reason is not None:
                 report = StageReport(stage.name, info={"eliminates": stage.eliminates})
                 report.add(skipped(stage.name, stage.skip_component, reason))
                 if reason.startswith("--layers"):
                     report.info["not_checked"] = "the served distributions and execution paths (--layers)"
                 stages.append(report)
+                session.keep_for_replay(stage.name, [report])
                 continue
             t0 = time.perf_counter()
             reports = _run(stage, session)
@@ -144,6 +151,7 @@ def diagnose(options: DiagnoseOptions, progress: Progress | None = None, engine:
             for r in reports:
                 r.info.setdefault("eliminates", PART_ELIMINATES.get(r.stage, stage.eliminates))
             stages.extend(reports)
+            session.keep_for_replay(stage.name, reports)
         described = None
         if session.has_engine:
             try:
@@ -152,7 +160,11 @@ def diagnose(options: DiagnoseOptions, progress: Progress | None = None, engine:
                 described = {"name": session.options.engine, "error": err.message}
     finally:
         session.close()
-    return Diagnosis(options, stages, decide(stages), described, time.perf_counter() - started, timings,
+    verdict = decide(stages)
+    if session.recorder is not None:  # the saved run says what it concluded (rejudge compares)
+        session.recorder.write_manifest({"verdict": verdict.to_json(), "calls": session.recorder.count,
+                                         "carried": session.kept_for_replay})
+    return Diagnosis(options, stages, verdict, described, time.perf_counter() - started, timings,
                      session.resources)
 
 

@@ -11,12 +11,22 @@ two stages need (the reference, the tokens) is built once.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable
 
 Progress = Callable[[str], None]
+
+# the stages a saved run cannot judge again (`ggufcheck rejudge`): it holds the engine's answers
+# only. A run saves their reports, and a replay carries them over as they were (Session.carried);
+# a run that did not get to one leaves it skipped, for this reason
+NOT_REPLAYED = {
+    "environment": "not re-judged: the environment and kernel probes run in the engine's interpreter, and a saved "
+                   "run holds the engine's answers only (rerun diagnose)",
+    "weights": "not re-judged: the weights audit reads the engine's loaded weights (rerun diagnose)",
+    "switches": "not re-judged: each flip reruns the engine with one setting changed (rerun diagnose)",
+}
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,8 @@ class DiagnoseOptions:
     experts: tuple[int, ...] | None = None  # --experts: audit only these routed experts of each MoE layer
     switches: str = "auto"  # the switch stage: after a served failure (auto), always, never (checks.switches)
     switch_budget: float = 600.0  # seconds the switch stage may spend flipping settings
+    save_run: Path | None = None  # --save-run DIR: the engine's answers saved there (engines/recorded.py)
+    replayed: bool = False  # the engine is a saved run played back (`ggufcheck rejudge`; diagnose/rejudge.py)
 
     @cached_property
     def engine_spec(self):
@@ -57,12 +69,47 @@ class DiagnoseOptions:
 
         return parse_spec(self.engine) if self.engine else None
 
+    def to_json(self) -> dict[str, Any]:
+        """What the run was asked, as JSON (a saved run keeps it; paths as strings)."""
+        out = {}
+        for f in fields(self):
+            if f.name not in _NOT_SAVED:
+                value = getattr(self, f.name)
+                out[f.name] = str(value) if isinstance(value, Path) else list(value) if isinstance(value, tuple) else value
+        return out
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any], where: Path) -> "DiagnoseOptions":
+        """:meth:`to_json` read back (``where``: the file it came from, for errors)."""
+        from ggufcheck.errors import UsageError
+
+        unknown = sorted(set(doc) - ({f.name for f in fields(cls)} - set(_NOT_SAVED)))
+        if unknown:
+            raise UsageError(f"{where}: 'options' has fields this ggufcheck does not know: {', '.join(unknown)}")
+        if "model" not in doc:
+            raise UsageError(f"{where}: 'options' names no model")
+        values = dict(doc)
+        for name in ("model", "prompts"):
+            if values.get(name) is not None:
+                values[name] = Path(values[name])
+        for name in ("layers", "experts"):
+            if values.get(name) is not None:
+                values[name] = tuple(int(i) for i in values[name])
+        try:
+            return cls(**values)
+        except TypeError as err:
+            raise UsageError(f"{where}: 'options' unusable ({err})") from None
+
     def tensor_chosen(self, name: str) -> bool:
         """Whether ``--layers`` keeps tensor ``name`` (every non-layer tensor is kept)."""
         if self.layers is None or not name.startswith("blk."):
             return True
         return int(name.split(".")[1]) in self.layers
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+# options that say where a run was made, not what it asked: not saved with a run, not replayed
+_NOT_SAVED = ("engine_kwargs", "save_run", "replayed")
 
 
 class Session:
@@ -81,6 +128,14 @@ class Session:
         self.resources = None  # the resource plan (diagnose/resources.py), made before the first stage
         self.reports: list = []  # the stages' reports so far (diagnose/plan.py fills it)
         self.timings: dict[str, float] = {}  # seconds per stage so far
+        self.recorder = None  # --save-run: where the engine's answers go (engines/recorded.py)
+        self.kept_for_replay: dict[str, list] = {}  # --save-run: reports of the stages a replay carries over
+        if options.save_run is not None:
+            from ggufcheck.engines.recorded import RunRecorder
+
+            self.recorder = RunRecorder(options.save_run)
+            if engine is not None:
+                self._engine = self._recording(engine)
 
     @property
     def reference_device(self) -> str:
@@ -108,8 +163,37 @@ class Session:
 
     def engine(self):
         if self._engine is None:
-            self._engine = self.open_engine(self.options.engine_spec)
+            self._engine = self._recording(self.open_engine(self.options.engine_spec))
         return self._engine
+
+    def keep_for_replay(self, stage: str, reports: list) -> None:
+        """With --save-run, the reports of a stage a replay cannot judge again (diagnose/plan.py
+        NOT_REPLAYED), saved with the run."""
+        if self.recorder is not None and stage in NOT_REPLAYED:
+            self.kept_for_replay[stage] = [r.to_json() for r in reports]
+
+    def carried(self, stage: str) -> list | None:
+        """A replayed run's saved reports of ``stage`` (None: not saved, or a stage judged again)."""
+        from ggufcheck.results import StageReport
+
+        saved = (getattr(self._engine, "manifest", None) or {}).get("carried") or {}
+        if stage not in saved:
+            return None
+        reports = [StageReport.from_json(doc) for doc in saved[stage]]
+        for r in reports:
+            r.info["carried"] = "from the saved run, not judged again (it needs the engine)"
+        return reports
+
+    def _recording(self, engine):
+        """``engine``, its answers saved with --save-run (as they return); else itself."""
+        if self.recorder is None:
+            return engine
+        from ggufcheck.engines.recorded import RecordingEngine, engine_manifest, model_identity
+
+        self.recorder.write_manifest({"options": self.options.to_json(),
+                                      "model": model_identity(Path(self.options.model)),
+                                      "engine": engine_manifest(engine)})
+        return RecordingEngine(engine, self.recorder)
 
     def open_engine(self, spec):
         """Open ``spec`` (the run's engine spec, or one with a setting flipped) as this run opens
