@@ -568,6 +568,27 @@ def test_one_rank_wrong_after_the_all_reduce_is_named_with_its_rank_and_block(vl
     assert all(r.stats.get("follows_ranks_parting") for r in others), [r.message for r in others]
 
 
+def test_a_one_token_mlp_fault_in_the_real_engine_is_named_at_its_layer_through_vllms_decode_trace(
+        vllm_python, tiny, monkeypatch):
+    """Fault injected into the real engine (GGUFCHECK_VLLM_FAULT=decode_mlp:1: layer 1's MLP
+    output half scaled by 1.5 on one-token forwards, vLLM's decode steps): the decode is named,
+    and vLLM's own decode steps traced layer by layer (Engine.decode_layer_outputs: its
+    prefill, then its decode forwards captured) name layer 1's FFN (issue 36 item 2)."""
+    monkeypatch.setenv("GGUFCHECK_VLLM_FAULT", "decode_mlp:1")
+    with _engine(tiny[("qwen2", "F32")], vllm_python, tp=1) as e:
+        tokens = e.generate([1, 5, 9, 14, 3, 7], 4).sequence.tolist()
+        decoded = e.decode_layer_outputs(tokens, 6, ("residual",)).tensors
+        prefilled = e.layer_outputs(tokens, ("residual",)).tensors
+        d = _run(tiny[("qwen2", "F32")], e)
+    import numpy as np
+
+    assert np.abs(decoded[("residual", 0)] - prefilled[("residual", 0)]).max() < 1e-4  # layer 0: both paths agree
+    assert np.abs(decoded[("residual", 1)][6:] - prefilled[("residual", 1)][6:]).max() > 1e-2  # layer 1's decode rows
+    v = d.verdict
+    assert (v.component, v.layer) == ("decode", 1), v.message
+    assert v.evidence["stats"]["localized"]["block"] == "ffn" and "decode step" in v.message, v.message
+
+
 def test_stale_prefix_cache_blocks_in_the_real_engine_are_named_kv_cache(vllm_python, tiny, monkeypatch):
     """Fault injected into the real engine (GGUFCHECK_VLLM_FAULT=stale_prefix_cache: every KV
     block vLLM holds scaled by 0.5 after the prefix is cached, before the warm request): every

@@ -304,6 +304,56 @@ def check_prefill_vs_decode(engine: Engine, prompts: Sequence[Sequence[int]], ba
     return result.amended(note), generations
 
 
+def check_decode_layers(engine: Engine, generations: Sequence[Generation], decode: Result,
+                        ambiguity: Ambiguity | None = None) -> Result:
+    """The decode path layer by layer, when its logits pass: the shortest generation fed again
+    as a decode (its prompt in one prefill, then a token per step) and as one prefill, each
+    layer's residual stream compared (checks.path_layers, the engine's class allowance). A
+    one-token kernel wrong in a block whose contribution barely reaches the logits (a small
+    model, a small block) passes the logits and fails here, named at its layer and block.
+    Rows from the reference's first ambiguous generated row on are not compared, nor past a
+    MoE routing near-tie the two paths broke differently."""
+    from ggufcheck.checks.logits import ROUTER_TIE_MARGINS
+    from ggufcheck.checks.path_layers import localize_decode
+
+    check = "paths.decode_layers"
+    if decode.status is not Status.PASS:
+        return skipped(check, "decode", "the decode's logits already " + ("fail (traced there)" if decode.failed else
+                                                                         "were not compared"))
+    gens = [g for g in generations if len(g.generated) >= 2]
+    if not gens:
+        return skipped(check, "decode", "no decode of two steps or more to trace")
+    gen = min(gens, key=lambda g: len(g.sequence))
+    # rows p.. are the decode steps' (the prompt's come from the same prefill in both traces); a
+    # DSA / MoE selection near-tie of the reference at a decode row may be broken either way there
+    tokens, p = [int(t) for t in gen.sequence], len(gen.prompt)
+    last, cut = len(tokens) - 1, ""
+    rows = ambiguity(tokens) if ambiguity is not None else None
+    if rows is not None:
+        tied = np.flatnonzero(np.asarray(rows, bool)[p:]) + p
+        if len(tied):
+            last, cut = int(tied[0]) - 1, f"; rows from {int(tied[0])} on left out (a selection near-tie of the reference)"
+    if last < p:
+        return skipped(check, "decode", "the first decode row is a selection near-tie of the reference" + cut)
+    found = localize_decode(engine, tokens[:last + 1], p, last)
+    if found is None:
+        return skipped(check, "decode", f"{engine.name} traces no decode steps")
+    steps = f"{last - p + 1} decode step(s) after a {p}-token prompt"
+    if found.get("layer") is None:
+        top = max(found["per_layer"], key=lambda r: r["max"])
+        return passed(check, "decode", f"traced layer by layer over {steps}, every layer's residual stream agrees with "
+                                       f"the one prefill's within {found['allowance']:.3g} (largest {top['max']:.3g}, "
+                                       f"layer {top['layer']})" + cut, stats={"localized": found})
+    margin = ROUTER_TIE_MARGINS.get(engine.capabilities.activation_dtype, 0.0)
+    if found.get("block") == "routing" and (found.get("routing_gap") is None or found["routing_gap"] < margin):
+        return passed(check, "decode", f"traced layer by layer over {steps}, the paths agree up to a MoE routing "
+                                       f"near-tie they broke differently (" + found["text"] + "): not judged past it",
+                      stats={"localized": found})
+    return failed(check, "decode", "the decode's logits agree within the class allowance, but " + found["text"]
+                  + f" ({steps}): a one-token path computes that block wrong" + cut,
+                  layer=found["layer"], stats={"localized": found})
+
+
 def _decode_layers(engine: Engine, result: Result, generations: Sequence[Generation]) -> Result:
     """A failing prefill / decode pair traced layer by layer: the decode of the sequence where
     the divergence starts (its first position, else the worst) against its prefill."""
@@ -505,7 +555,8 @@ def run_paths(engine: Engine, prompts: Sequence[Sequence[int]], singles: Sequenc
     generations: list[Generation] = []
 
     say = progress or (lambda _m: None)
-    labels = {"paths.prefill_vs_decode": "prefill vs step-by-step decode", "paths.batch_invariance": "batch invariance",
+    labels = {"paths.prefill_vs_decode": "prefill vs step-by-step decode",
+              "paths.decode_layers": "the decode layer by layer", "paths.batch_invariance": "batch invariance",
               "paths.determinism": "determinism", "paths.chunked_prefill": "chunked prefill",
               "paths.past_indexer_top_k": "decode past the indexer's top-k",
               "paths.prefix_cache": "a request whose prefix is cached"}
@@ -524,6 +575,8 @@ def run_paths(engine: Engine, prompts: Sequence[Sequence[int]], singles: Sequenc
     if isinstance(decode, tuple):
         decode, generations = decode
     results.append(decode)
+    results.append(attempt("paths.decode_layers", "decode",
+                           lambda: check_decode_layers(engine, generations, decode, ambiguity)))
     results.append(attempt("paths.batch_invariance", "batching",
                            lambda: check_batch_invariance(engine, prompts, singles, baseline, options, ambiguity)))
     results.append(attempt("paths.determinism", "sampling",

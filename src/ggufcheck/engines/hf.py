@@ -216,26 +216,38 @@ class HFEngine(GGUFVocabTokenizer, Engine):
                 token = int(np.argmax(row))
                 generated.append(token)
                 if step + 1 < max_new_tokens:
-                    # transformers >= 5.25 names the KV cache ``cache`` (``past_key_values`` before,
-                    # now a deprecated alias that logs a warning)
-                    cache = {"cache": out.cache} if "cache" in getattr(out, "__dataclass_fields__", {}) else \
-                        {"past_key_values": out.past_key_values}
-                    out = self.module(input_ids=torch.tensor([[token]], device=self.device), use_cache=True, **cache)
+                    out = self.module(input_ids=torch.tensor([[token]], device=self.device), use_cache=True,
+                                      **self._cache_of(out))
         present = np.zeros(n, dtype=bool)
         present[len(prompt) - 1:len(prompt) - 1 + max_new_tokens] = True
         return Generation(np.array(prompt), np.array(generated),
                           TokenLogprobs(prompt + generated, self.vocab_size, table, present=present))
 
     def layer_outputs(self, tokens: Sequence[int], kinds: Sequence[str] = LAYER_KINDS) -> LayerTrace:
+        tokens = [int(t) for t in tokens]
+        return self._traced(tokens, [tokens], kinds)
+
+    def decode_layer_outputs(self, tokens: Sequence[int], prompt_length: int,
+                             kinds: Sequence[str] = LAYER_KINDS) -> LayerTrace:
+        """The prompt in one forward, then one token per forward through the KV cache, as
+        :meth:`generate` decodes: the per-layer tensors of every step, concatenated (where a
+        decode parts from the prefill of the same tokens: checks.path_layers)."""
+        tokens = [int(t) for t in tokens]
+        p = max(1, min(int(prompt_length), len(tokens)))
+        return self._traced(tokens, [tokens[:p], *([t] for t in tokens[p:])], kinds)
+
+    def _traced(self, tokens: list[int], pieces: list[list[int]], kinds: Sequence[str]) -> LayerTrace:
+        """Run ``pieces`` in turn (one forward each, through the KV cache after the first) with
+        hooks on every layer; each kind's rows concatenated over the pieces."""
         torch = self._torch
         layers = self.module.model.layers
-        out: dict[tuple[str, int], np.ndarray] = {}
+        parts: dict[tuple[str, int], list[np.ndarray]] = {}
         hooks = []
 
         def keep(kind: str, i: int):
             def hook(_mod, _inp, output):
                 value = output[0] if isinstance(output, tuple) else output
-                out[(kind, i)] = value[0].detach().float().cpu().numpy()  # [T, D]
+                parts.setdefault((kind, i), []).append(value[0].detach().float().cpu().numpy())  # [T, D]
             return hook
 
         for i, layer in enumerate(layers):
@@ -251,11 +263,27 @@ class HFEngine(GGUFVocabTokenizer, Engine):
                 hooks.append(module.register_forward_hook(keep("ffn", i)))
         try:
             with torch.no_grad():
-                self.module(input_ids=torch.tensor([[int(t) for t in tokens]], device=self.device))
+                out = None
+                for piece in pieces:
+                    ids = torch.tensor([piece], device=self.device)
+                    if len(pieces) == 1:
+                        out = self.module(input_ids=ids)
+                    elif out is None:
+                        out = self.module(input_ids=ids, use_cache=True)
+                    else:
+                        out = self.module(input_ids=ids, use_cache=True, **self._cache_of(out))
         finally:
             for h in hooks:
                 h.remove()
-        return LayerTrace(np.array([int(t) for t in tokens]), out)
+        return LayerTrace(np.array(tokens), {k: np.concatenate(v) for k, v in parts.items()})
+
+    @staticmethod
+    def _cache_of(out) -> dict:
+        """The KV cache of a forward's output, under the name this transformers takes it by
+        (``cache`` from 5.25 on, ``past_key_values`` before: now a deprecated alias)."""
+        if "cache" in getattr(out, "__dataclass_fields__", {}):
+            return {"cache": out.cache}
+        return {"past_key_values": out.past_key_values}
 
     def held_weight_names(self, *, rank: int = 0) -> list[str]:
         persistent = {n for n, _ in self.module.named_buffers() if n.endswith("e_score_correction_bias")}

@@ -527,6 +527,28 @@ class VllmEngine(Engine):
     def layer_outputs(self, tokens: Sequence[int], kinds: Sequence[str] = LAYER_KINDS) -> LayerTrace:
         seq = [int(t) for t in tokens]
         reply, out = self._forward([seq], layers=True)
+        return self._trace(seq, out, kinds)
+
+    def decode_layer_outputs(self, tokens: Sequence[int], prompt_length: int,
+                             kinds: Sequence[str] = LAYER_KINDS) -> LayerTrace:
+        """The first ``prompt_length`` tokens in vLLM's prefill, then its own decode steps, every
+        forward captured: the rows past the prompt come from one-token decode steps. vLLM feeds
+        the tokens it samples, so the rest of ``tokens`` must be its greedy continuation (as a
+        generation of this engine is); another is refused, naming where it parts."""
+        seq = [int(t) for t in tokens]
+        p = max(1, min(int(prompt_length), len(seq)))
+        if p == len(seq):
+            return self.layer_outputs(seq, kinds)
+        reply, out = self._forward([seq[:p]], new_tokens=len(seq) - p + 1, layers=True)
+        generated = [int(t) for t in reply["generated"][0]]
+        if generated[:len(seq) - p] != seq[p:]:
+            at = next(i for i, (a, b) in enumerate(zip(generated, seq[p:])) if a != b)
+            raise Unsupported(f"vLLM's greedy decode took token {generated[at]} at position {p + at} where the "
+                              f"sequence has {seq[p + at]}: a decode trace feeds vLLM's own greedy tokens")
+        return self._trace(seq, out, kinds)
+
+    def _trace(self, seq: list[int], out: dict[str, np.ndarray], kinds: Sequence[str]) -> LayerTrace:
+        """The per-layer arrays of sequence 0 the worker returned, by kind and layer, per rank."""
         tensors: dict[tuple[str, int], np.ndarray] = {}
         names: dict[tuple[str, int], str] = {}
         modules = {"residual": "layers.{i}", "attention": "layers.{i}.self_attn", "ffn": "layers.{i}.mlp",

@@ -204,8 +204,21 @@ def _wants_cpu_compat() -> bool:
 def _inject_rank_fault(worker, layers, handles) -> None:
     """Tests only: GGUFCHECK_VLLM_FAULT='rank_attention:RANK:LAYER' scales that layer's
     attention output by 1.5 on that rank only, after vLLM's all-reduce (a collective or a
-    rank-local step that is wrong on one rank: the ranks' residual streams part there)."""
+    rank-local step that is wrong on one rank: the ranks' residual streams part there);
+    'decode_mlp:LAYER' scales the second half of that layer's MLP output by 1.5 on one-token
+    forwards only, on every rank (a matrix-vector kernel wrong: decode steps, not prefills)."""
     fault = os.environ.get("GGUFCHECK_VLLM_FAULT", "")
+    if fault.startswith("decode_mlp:"):
+        def one_token_wrong(_mod, _args, out):
+            value = out[0] if isinstance(out, tuple) else out
+            if value.shape[0] != 1:
+                return out
+            value = value.clone()
+            value[..., value.shape[-1] // 2:] *= 1.5
+            return (value, *out[1:]) if isinstance(out, tuple) else value
+
+        handles.append(layers[int(fault.split(":")[1])].mlp.register_forward_hook(one_token_wrong))
+        return
     if not fault.startswith("rank_attention:"):
         return
     rank, layer = (int(x) for x in fault.split(":")[1:3])
