@@ -107,7 +107,41 @@ def test_llama_cpps_gpu_switches_keep_the_library_out_of_torchs_process():
 
     params = SimpleNamespace(flash_attn_type=-1, type_k=8, type_v=8)
     switches = {s.name: s for s in llama_cpp_switches(params, n_gpu_layers=99, n_batch=512)}
-    assert set(switches) == {"flash_attn=0", "type_k=1,type_v=1", "n_gpu_layers=0,isolate=1", "n_batch=8"}
+    assert set(switches) == {"flash_attn=0", "type_k=1,type_v=1", "n_gpu_layers=0,isolate=1", "n_batch=8",
+                             "cuda_graphs=0", "cuda_fusion=0"}
     flipped = parse_spec("llama-cpp:n_gpu_layers=99").with_settings(switches["n_gpu_layers=0,isolate=1"].safe)
     assert flipped.text == "llama-cpp:n_gpu_layers=0,isolate=1"
     assert llama_cpp_switches(SimpleNamespace(flash_attn_type=0, type_k=1, type_v=1), 0, 512) == ()
+
+
+def test_llama_cpps_cuda_runtime_switches_are_set_in_the_engines_own_process(monkeypatch, tmp_path):
+    """cuda_graphs=0 / cuda_fusion=0 / cublas_f32=1 become the variables ggml-cuda reads when it
+    loads (GGML_CUDA_DISABLE_GRAPHS, ..._FUSION, GGML_CUDA_CUBLAS_COMPUTE_TYPE), in the
+    engine's process only; a variable the user set is removed when the option says 1."""
+    import subprocess
+
+    from ggufcheck.engines.spec import open_engine
+    from ggufcheck.errors import UsageError
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def popen(cmd, **kw):
+        seen.update(kw["env"])
+        raise Stop
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    monkeypatch.setenv("GGML_CUDA_DISABLE_FUSION", "1")
+    with pytest.raises(Stop):
+        open_engine("llama-cpp:cuda_graphs=0,cuda_fusion=1,cublas_f32=1", tmp_path / "m.gguf")
+    assert seen["GGML_CUDA_DISABLE_GRAPHS"] == "1" and seen["GGML_CUDA_CUBLAS_COMPUTE_TYPE"] == "f32"
+    assert "GGML_CUDA_DISABLE_FUSION" not in seen
+    import os
+
+    assert os.environ["GGML_CUDA_DISABLE_FUSION"] == "1" and "GGML_CUDA_DISABLE_GRAPHS" not in os.environ  # ours kept
+    with pytest.raises(UsageError, match="need an engine process of its own"):
+        open_engine("llama-cpp:cuda_graphs=0,isolate=0", tmp_path / "m.gguf")
+    with pytest.raises(UsageError, match="must be 0 or 1"):
+        open_engine("llama-cpp:cuda_graphs=2", tmp_path / "m.gguf")

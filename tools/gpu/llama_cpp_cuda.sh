@@ -5,7 +5,7 @@
 #
 # Stage first, here: bash tools/gpu/stage_llama_cpp.sh   (fills the git-ignored .gpu/)
 # Device call:       bash tools/gpu/llama_cpp_cuda.sh [STEPS]   with carry [".gpu"]
-#   STEPS: comma-separated subset of build,defectq5k,provenance,arith,arithmore,probe,matrix,matrix2,matrix3,lead,chunklead,families,hfprof,recheck,
+#   STEPS: comma-separated subset of build,defectq5k,provenance,arith,arithmore,switches,probe,matrix,matrix2,matrix3,lead,chunklead,families,hfprof,recheck,
 #          recheck2,real,realquick,realhttp,reallead,oplead,envtime,server,
 #          oldlead,hf (default: build,probe,matrix,lead,server,oldlead,hf)
 # Writes $OUT/log.txt-style logs per step, $OUT/results.tgz, and on a fresh build the
@@ -254,6 +254,11 @@ if has arithmore; then  # the same in routed experts (MUL_MAT_ID), with a q8_0 K
   TAILN=30 step 120 ar-q5k-1024 python3 -m ggufcheck quants --width 1024 --types Q5_K --engine llama-cpp:n_gpu_layers=99 --json $W/ar-q5k-1024.json
   TAILN=45 step 150 ar-moe python3 -m ggufcheck quants --arch qwen3moe --types F16,Q4_0,Q8_0,Q4_K,Q5_K,Q6_K,IQ4_XS --engine llama-cpp:n_gpu_layers=99 --json $W/ar-moe.json
   TAILN=30 step 120 ar-kvq8 python3 -m ggufcheck quants --types quick --engine llama-cpp:n_gpu_layers=99,flash_attn=1,type_k=8,type_v=8 --json $W/ar-kvq8.json
+fi
+
+if has switches; then  # issue 37 item 1: every llama.cpp switch flipped on the GPU (CUDA graphs, fusion included)
+  python3 -c "from ggufcheck.synthetic.tiny import build_tiny_gguf as b; b('llama', '/tmp/l20/models/sw-q4k.gguf', seed=3, qtypes='Q4_K', n_embd=256, n_ff=512)"
+  TAILN=30 step 200 switches python3 -m ggufcheck diagnose --no-sanity --no-kernels --sweep-to 0 --switches always $W/models/sw-q4k.gguf --engine llama-cpp:n_gpu_layers=99 --json $W/switches.json
 fi
 
 if has matrix2; then  # the matrix quiet, then with llama.cpp's log on

@@ -72,8 +72,11 @@ class IsolatedEngine(Engine):
     """``factory`` ("module:Class") built with ``(model_path, **kwargs)`` in a child process."""
 
     def __init__(self, factory: str, model_path: str | Path, *, python: str | None = None,
-                 preload: Sequence[str] = (), **kwargs: Any):
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+                 preload: Sequence[str] = (), env: dict[str, str | None] | None = None, **kwargs: Any):
+        # ``env``: variables the child's native libraries read when they load (None: removed)
+        extra = dict(env or {})
+        env = {k: v for k, v in dict(os.environ, PYTHONUNBUFFERED="1").items() if extra.get(k, "") is not None}
+        env.update({k: v for k, v in extra.items() if v is not None})
         src = str(Path(__file__).resolve().parents[2])  # the child imports this same ggufcheck
         env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
         # ``preload``: modules imported before anything else, numpy included (the order native

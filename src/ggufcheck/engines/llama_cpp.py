@@ -22,6 +22,7 @@ names its folder) the quantized matmuls quantize activations to Q8_1 blocks of 3
 from __future__ import annotations
 
 import ctypes
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -194,6 +195,13 @@ def llama_cpp_switches(params: Any, n_gpu_layers: int, n_batch: int) -> tuple[Sw
         if n_batch > 8:
             out.append(Switch({"n_batch": 8}, {"n_batch": n_batch}, "the matrix-matrix kernels (a prompt in pieces "
                               "of 8 tokens takes the matrix-vector ones)", "kernel"))
+        # the CUDA backend's runtime switches, read from this process's environment when it
+        # loaded (engines/spec.py LLAMA_CPP_CUDA_ENV sets them in the engine's own process)
+        if not os.environ.get("GGML_CUDA_DISABLE_GRAPHS"):
+            out.append(Switch({"cuda_graphs": 0}, {"cuda_graphs": 1}, "CUDA graphs (the decode's kernels replayed "
+                              "from a captured graph)", "kernel"))
+        if not os.environ.get("GGML_CUDA_DISABLE_FUSION"):
+            out.append(Switch({"cuda_fusion": 0}, {"cuda_fusion": 1}, "the CUDA backend's fused kernels", "kernel"))
     return tuple(out)
 
 

@@ -7,6 +7,8 @@
                                  transformers' own GGUF loader and modeling code (needs
                                  accelerate): independent of ggufcheck's tables and reference
     llama-cpp[:key=value,...]    llama.cpp in process (n_ctx=, n_threads=, n_batch=, seed=,
+                                 cuda_graphs=0, cuda_fusion=0, cublas_f32=1: its CUDA
+                                 backend's runtime switches, in a process of its own,
                                  type_k=/type_v= KV-cache ggml types: 0 F32, 1 F16 default,
                                  8 Q8_0; flash_attn=0|1; n_gpu_layers=N offloads N layers
                                  (99: all) to a GPU build named by LLAMA_CPP_LIB_PATH, in a
@@ -15,6 +17,10 @@
     vllm[:tp=N,dtype=fp32|bf16|fp16,max_model_len=N,kv_cache_gib=N]
                                  the real vLLM (GGUF plug-in) in its own interpreter
                                  (python=; --python PATH), every TP rank reachable
+    llama-server[:bin=PATH,n_gpu_layers=N,n_ctx=N,flash_attn=0|1,type_k=T,type_v=T,threads=N]
+                                 llama.cpp's own server, started by ggufcheck on MODEL.gguf
+                                 (bin=, else $GGUFCHECK_LLAMA_SERVER, else PATH) and judged
+                                 over HTTP; stopped when the run ends
     http://HOST:PORT[/v1][?kind=vllm|llama-cpp-python|llama-server][&backend=cuda]
     python:MODULE:FACTORY[:key=value,...]
                                  a user's own engine: FACTORY(model_path[, key=value...]) -> Engine
@@ -134,7 +140,12 @@ def _plugin(spec: str, rest: str, model_path, kwargs: dict) -> Engine:
 
 
 LLAMA_CPP_OPTIONS = {"n_ctx", "n_threads", "n_batch", "seed", "type_k", "type_v", "flash_attn", "n_gpu_layers",
-                     "main_gpu", "isolate", "verbose"}
+                     "main_gpu", "isolate", "verbose", "cuda_graphs", "cuda_fusion", "cublas_f32"}
+# options of llama.cpp's CUDA backend read from the environment when the library loads (its
+# ggml-cuda sources: getenv), set in the engine's own process: option -> (variable, value when 0 / 1)
+LLAMA_CPP_CUDA_ENV = {"cuda_graphs": ("GGML_CUDA_DISABLE_GRAPHS", {0: "1", 1: None}),
+                      "cuda_fusion": ("GGML_CUDA_DISABLE_FUSION", {0: "1", 1: None}),
+                      "cublas_f32": ("GGML_CUDA_CUBLAS_COMPUTE_TYPE", {0: None, 1: "f32"})}
 
 
 def _llama_cpp(spec: str, rest: str, model_path, kwargs: dict) -> Engine:
@@ -149,12 +160,22 @@ def _llama_cpp(spec: str, rest: str, model_path, kwargs: dict) -> Engine:
     # a GPU build of llama.cpp cannot share a process with torch (engines.isolated):
     # offloading runs it in a process of its own; isolate=0|1 overrides
     python = kwargs.pop("python", None)  # --python: the interpreter whose llama_cpp runs it (isolated)
-    isolate = opts.pop("isolate", 1 if (opts.get("n_gpu_layers") or python) else 0)
+    env = {}
+    for option, (variable, values) in LLAMA_CPP_CUDA_ENV.items():
+        if option in opts:
+            value = int(opts.pop(option))
+            if value not in values:
+                raise UsageError(f"--engine {spec}: {option} must be 0 or 1")
+            env[variable] = values[value]  # None: the variable removed (the backend's default)
+    isolate = opts.pop("isolate", 1 if (opts.get("n_gpu_layers") or python or env) else 0)
+    if env and not isolate:
+        raise UsageError(f"--engine {spec}: {', '.join(LLAMA_CPP_CUDA_ENV)} are read when llama.cpp loads: they "
+                         "need an engine process of its own (leave isolate=0 out)")
     if isolate:
         from ggufcheck.engines.isolated import IsolatedEngine
 
         return IsolatedEngine("ggufcheck.engines.llama_cpp:LlamaCppEngine", model_path, preload=("llama_cpp",),
-                              python=python, **{**kwargs, **opts})
+                              python=python, env=env, **{**kwargs, **opts})
     return LlamaCppEngine(model_path, **{**kwargs, **opts})
 
 
@@ -202,6 +223,14 @@ def _hf(loader: str):
     return open_
 
 
+def _llama_server(spec: str, rest: str, model_path, kwargs: dict) -> Engine:
+    from ggufcheck.engines.http import HttpOptions
+    from ggufcheck.engines.llama_server import LlamaServerEngine, parse_options
+
+    return LlamaServerEngine(model_path, parse_options(rest, spec),
+                             http_options=kwargs.pop("http_options", HttpOptions()))
+
+
 KINDS: dict[str, EngineKind] = {k.name: k for k in (
     EngineKind("reference", "reference[:fp32]", _reference),
     EngineKind("hf", "hf[:bf16][@cuda]", _hf("from_gguf"), respec=_hf_respec),
@@ -209,6 +238,8 @@ KINDS: dict[str, EngineKind] = {k.name: k for k in (
                respec=_hf_respec),
     EngineKind("llama-cpp", "llama-cpp[:n_ctx=N,n_gpu_layers=N]", _llama_cpp, interpreter=True, respec=merge_options),
     EngineKind("vllm", "vllm[:tp=N,dtype=D,max_model_len=N]", _vllm, ranks=_vllm_ranks, interpreter=True,
+               respec=merge_options),
+    EngineKind("llama-server", "llama-server[:bin=PATH,n_gpu_layers=N,flash_attn=0|1,type_k=q8_0]", _llama_server,
                respec=merge_options),
     EngineKind("http", "http://HOST:PORT[/v1]", _http, needs_model=False),
     EngineKind("python", "python:MODULE:FACTORY[:key=value,...]", _plugin, needs_model=False, respec=_plugin_respec),
