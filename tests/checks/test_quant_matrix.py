@@ -168,3 +168,30 @@ def test_transformers_own_gguf_loader_agrees_on_every_type_at_fp32_rounding(tmp_
     assert len(rows) == 21
     for qtype, row in rows.items():
         assert row["status"] == "PASS" and row["stats"]["prefill_kl"] < 1e-9, (qtype, row["stats"])
+
+
+def test_a_rounding_the_engine_states_but_the_reference_does_not_compute_is_judged_by_the_class_alone(tmp_path):
+    """llama.cpp CUDA computes F16 routed experts' one-token products with cuBLAS's F16 compute
+    type (measured on the H200: 4797x its emulated arithmetic, 0.8x with cublas_f32=1): an engine
+    stating it (Emulation.decode_unemulated) is judged by the class allowance on decode and says
+    why; the same arithmetic unstated is named off its arithmetic."""
+    from types import SimpleNamespace
+
+    from ggufcheck.checks.quant_matrix import build_model
+    from ggufcheck.engines.llama_cpp import gpu_rounding
+
+    params = SimpleNamespace(type_k=1, type_v=1)
+    moe = build_model("F16", tmp_path, arch="qwen3moe")
+    assert "cuBLAS" in gpu_rounding(moe, params)["decode_unemulated"]
+    assert "decode_unemulated" not in gpu_rounding(build_model("F16", tmp_path), params)  # dense: mmvf, emulated
+    for stated, status in ((1, "PASS"), (0, "FAIL")):
+        out = tmp_path / f"m{stated}.json"
+        engine = f"python:ggufcheck.testing.faults:f16_experts_cublas_engine:stated={stated}"
+        main(["quants", "--engine", engine, "--arch", "qwen3moe", "--types", "F16", "--json", str(out)])
+        row = _rows(out)[0]["F16"]
+        assert row["status"] == status, row["message"]
+        if stated:
+            assert "decode not judged against its stated arithmetic" in row["message"]
+            assert "decode" not in row["stats"].get("arithmetic", {})
+        else:
+            assert set(row["stats"]["rounding_excess"]) == {"decode"}

@@ -71,3 +71,19 @@ def test_top_k_is_numpys_order():
     assert ids[0].tolist() == [2, 0, 1] and vals[0, 0] == 1.0 and np.isnan(vals[0, 1:]).all()
     with pytest.raises(ValueError):
         rowwise.top_k(x, rowwise.MAX_K + 1)
+
+
+def test_the_numpy_log_softmax_an_engine_process_without_numba_uses_agrees(monkeypatch):
+    """GGUFCHECK_NO_NUMBA=1 (set in a CUDA llama.cpp's engine process, where numba's LLVM
+    segfaults): the same log-softmax from numpy, NaN rows where the kernel has them."""
+    from ggufcheck.engines.rowwise import NO_NUMBA, log_softmax_rows
+
+    rng = np.random.default_rng(0)
+    x = (rng.normal(size=(37, 5000)) * 5).astype(np.float32)
+    x[3, 7], x[5, 2], x[6] = np.nan, np.inf, -np.inf
+    fast = log_softmax_rows(x, np.float64)
+    monkeypatch.setenv(NO_NUMBA, "1")
+    plain = log_softmax_rows(x, np.float64)
+    assert np.array_equal(np.isnan(fast), np.isnan(plain))
+    finite = np.isfinite(fast)
+    assert np.abs(fast[finite] - plain[finite]).max() < 1e-12

@@ -63,7 +63,7 @@ fi
 
 if has probechild; then  # without torch: which of ggufcheck's settings crash the CUDA library?
   python3 -c "from ggufcheck.synthetic.tiny import build_tiny_gguf as b; b('llama', '/tmp/l20/models/llama-q4k.gguf', qtypes='Q4_K', n_embd=256, head_dim=64, n_ff=512)"
-  TAILN=60 step 90 probechild python3 tools/gpu/probe_child.py /tmp/l20/models/llama-q4k.gguf
+  TAILN=120 step 300 probechild python3 tools/gpu/probe_child.py /tmp/l20/models/llama-q4k.gguf ${PROBES:-}
 fi
 
 if has chunklead; then  # the cuBLAS-f32 chunked-prefill lead: which path, which layer (chunk_lead.py)
@@ -254,6 +254,15 @@ if has arithmore; then  # the same in routed experts (MUL_MAT_ID), with a q8_0 K
   TAILN=30 step 120 ar-q5k-1024 python3 -m ggufcheck quants --width 1024 --types Q5_K --engine llama-cpp:n_gpu_layers=99 --json $W/ar-q5k-1024.json
   TAILN=45 step 150 ar-moe python3 -m ggufcheck quants --arch qwen3moe --types F16,Q4_0,Q8_0,Q4_K,Q5_K,Q6_K,IQ4_XS --engine llama-cpp:n_gpu_layers=99 --json $W/ar-moe.json
   TAILN=30 step 120 ar-kvq8 python3 -m ggufcheck quants --types quick --engine llama-cpp:n_gpu_layers=99,flash_attn=1,type_k=8,type_v=8 --json $W/ar-kvq8.json
+fi
+
+if has f16moe; then  # F16 routed experts on a one-token step: 4797x their stated arithmetic (2026-12-07); which switch?
+  variants=("" ",cuda_fusion=0" ",cuda_graphs=0" ",n_batch=8" ",cublas_f32=1")
+  [ -n "${F16MOE_QUICK:-}" ] && variants=("")  # after the fix: the default, and the CPU control
+  for v in "${variants[@]}"; do
+    TAILN=14 step 60 "f16moe$v" python3 -m ggufcheck quants --arch qwen3moe --types F16,BF16,Q8_0 --engine "llama-cpp:n_gpu_layers=99$v" --json "$W/f16moe$v.json"
+  done
+  TAILN=14 step 60 f16moe-cpu python3 -m ggufcheck quants --arch qwen3moe --types F16,BF16,Q8_0 --engine llama-cpp:n_gpu_layers=0,isolate=1 --json $W/f16moe-cpu.json
 fi
 
 if has switches; then  # issue 37 item 1: every llama.cpp switch flipped on the GPU (CUDA graphs, fusion included)

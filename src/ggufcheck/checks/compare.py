@@ -333,6 +333,9 @@ def _decode_arithmetic(reference_score, baseline_engine, generations, steps: int
 
     if not hasattr(baseline_engine, "score_decoded"):
         return None
+    unemulated = getattr(getattr(getattr(baseline_engine, "model", None), "emulation", None), "decode_unemulated", None)
+    if unemulated:
+        return skipped("logits.decode_arithmetic", "decode", f"not judged: {unemulated}")
     rows = []
     for g in generations:
         n = min(len(g.sequence), len(g.prompt) + steps)

@@ -156,8 +156,12 @@ class MatrixRow:
                          f"{tol.multiple:g}x + {tol.kl_floor:g} = {self.emulation_limit(path):.2g})")
         if not found:
             return ""
-        allowance = (f"; within the class allowance {self.prefill_limit:.3g}, which a kernel this far off its "
-                     "own arithmetic passes" if self.prefill_limit is not None else "")
+        over = [path for path in self.rounding_excess() if self.prefill_limit is not None
+                and self.arithmetic[path][0] > self.prefill_limit]
+        allowance = ("" if self.prefill_limit is None else
+                     f"; over the class allowance {self.prefill_limit:.3g} too ({', '.join(over)})" if over else
+                     f"; within the class allowance {self.prefill_limit:.3g}, which a kernel this far off its "
+                     "own arithmetic passes")
         return "; ".join(found) + allowance
 
     def result(self) -> Result:
@@ -253,6 +257,9 @@ def path_arithmetic(session, stages: list[StageReport]) -> dict[str, tuple[float
     try:
         rows = [row_kls(reference.score(p), engine.score(p), emulated.score(p), 0) for p in session.tokens()]
         out["prefill"] = means(rows)
+        stated = getattr(getattr(emulated, "model", None), "emulation", None)
+        if getattr(stated, "decode_unemulated", None):  # a rounding the reference does not compute
+            raise _Unemulated(out, stated.decode_unemulated)
         generations = next((s.info.get("generations") for s in stages if s.info.get("generations")), None) or []
         rows = []
         for g in generations:
@@ -266,6 +273,14 @@ def path_arithmetic(session, stages: list[StageReport]) -> dict[str, tuple[float
     finally:
         emulated.close()
     return {path: pair for path, pair in out.items() if pair is not None}
+
+
+class _Unemulated(Exception):
+    """The decode path's stated arithmetic includes what the reference does not compute."""
+
+    def __init__(self, judged: dict, why: str):
+        super().__init__(why)
+        self.judged, self.why = {p: v for p, v in judged.items() if v is not None}, why
 
 
 def run_row(qtype: str, options: MatrixOptions, folder: Path, say: Progress) -> MatrixRow:
@@ -282,7 +297,11 @@ def run_row(qtype: str, options: MatrixOptions, folder: Path, say: Progress) -> 
         new_tokens=options.new_tokens, decode_to=0, sweep_to=options.sweep_to, sanity=False), say)
     try:
         stages = run_served(session)
-        arithmetic = path_arithmetic(session, stages)
+        unemulated = None
+        try:
+            arithmetic = path_arithmetic(session, stages)
+        except _Unemulated as why:  # the decode judged by its class allowance alone (said in the row)
+            arithmetic, unemulated = why.judged, why.why
     except Unsupported as err:  # the engine declines the type: not a wrong kernel
         return MatrixRow(qtype, Status.SKIP, message=f"the engine cannot run {qtype}: {err}")
     except Unavailable:
@@ -294,7 +313,10 @@ def run_row(qtype: str, options: MatrixOptions, folder: Path, say: Progress) -> 
         return MatrixRow(qtype, Status.SKIP, message=f"the engine cannot run {qtype}: {err}")
     finally:
         session.close()
-    return summarize(qtype, stages, arithmetic)
+    row = summarize(qtype, stages, arithmetic)
+    if unemulated:
+        row.message += f"; decode not judged against its stated arithmetic: {unemulated}"
+    return row
 
 
 def run_matrix(options: MatrixOptions, say: Progress = lambda _m: None,

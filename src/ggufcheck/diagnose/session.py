@@ -203,7 +203,7 @@ class Session:
         if spec.kind.interpreter and self.options.python:
             # vLLM, and an isolated llama.cpp, run in the engine's interpreter
             kwargs.setdefault("python", self.options.python)
-        if spec.name == "http" and "http_options" not in kwargs:
+        if spec.name in ("http", "llama-server") and "http_options" not in kwargs:
             from ggufcheck.engines.http import HttpOptions
 
             kwargs["http_options"] = HttpOptions(timeout_s=self.options.timeout, top_k=self.options.top_k)

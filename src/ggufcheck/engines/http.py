@@ -286,6 +286,16 @@ class HttpEngine(Engine):
         self._texts[tuple(ids)] = text
         return ids
 
+    def chat_tokens(self, messages: Sequence[dict]) -> list[int]:
+        """The tokens a chat request feeds the model (checks.template): llama-server renders its
+        template (``/apply-template``, as ``/v1/chat/completions`` does) and tokenizes the text
+        with its specials parsed and BOS added, as it does a chat prompt."""
+        if self.kind != "llama-server":
+            raise Unsupported(f"{self.kind}'s server does not say here which tokens a chat request feeds")
+        prompt = _field(self.client.post("/apply-template", {"messages": [dict(m) for m in messages]}), "prompt")
+        body = {"content": str(prompt), "add_special": True, "parse_special": True}
+        return [int(t) for t in _field(self.client.post("/tokenize", body), "tokens")]
+
     def detokenize(self, tokens: Sequence[int]) -> str:
         key = tuple(int(t) for t in tokens)
         if key in self._texts:

@@ -165,10 +165,23 @@ def gpu_rounding(model_path: str | Path, params: Any) -> dict[str, str]:
         out["outputs"] = act
     with open_gguf(model_path) as model:
         types = {t.qtype.name for t in model.tensors.values() if len(t.ne) >= 2}
+        expert_types = {t.qtype.name for name, t in model.tensors.items() if "_exps." in name}
     if types & (CUDA_MMQ_SUM_TYPES | CUDA_MMVQ_SUM_TYPES):
         out["block_sums"] = "cuda-mmq"
         out["decode_block_sums"] = "cuda-mmvq"
+    if "F16" in expert_types:
+        out["decode_unemulated"] = CUDA_F16_EXPERTS_DECODE
     return out
+
+
+# ggml-cuda.cu ggml_cuda_mul_mat_cublas: F16 weights multiply in cuBLAS with an F16 compute type
+# (half-precision accumulation) when the activations have at most 8 columns on Volta and later.
+# Measured on the H200 (2026-12-07, tools/gpu/llama_cpp_cuda.sh f16moe): F16 routed experts on a
+# one-token step KL 1.3e-3 against 7e-7 for F32 accumulation; with GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32
+# (cublas_f32=1) 0.8x of it. Not emulated by the reference.
+CUDA_F16_EXPERTS_DECODE = ("F16 routed experts' one-token products: cuBLAS computes them with an F16 compute type "
+                           "(half-precision sums; ggml-cuda.cu, at most 8 columns on Volta and later), which the "
+                           "reference does not emulate")
 
 
 # the weight types whose group offsets multiply CUDA's q8_1 sums, per kernel (reference.precision.

@@ -114,14 +114,40 @@ def _compiled() -> dict:
     return _KERNELS
 
 
+# Set in an engine process that must not start numba's LLVM: llama.cpp's CUDA build segfaults
+# there (H200, CUDA 13.0, 2026-12-07: every first score died inside numba's target-context
+# initialisation, after libggml-cuda had loaded; tools/gpu/probe_child.py). Its tables are
+# then computed with numpy, in blocks of rows, the same formula in float64.
+NO_NUMBA = "GGUFCHECK_NO_NUMBA"
+
+
 def log_softmax_rows(x: np.ndarray, dtype: type = np.float64, out: np.ndarray | None = None) -> np.ndarray:
     """[T, V] row-wise log-softmax of ``x``, computed in float64 and stored as ``dtype`` (into
     ``out`` when given, which may be ``x`` itself: each row is read before it is written)."""
+    import os
+
     x = np.ascontiguousarray(x)
     out = np.empty(x.shape, dtype=dtype) if out is None else out
-    if x.size:
+    if x.size and os.environ.get(NO_NUMBA) == "1":
+        _log_softmax_numpy(x, out)
+    elif x.size:
         _compiled()["log_softmax"](x, out)
     return out
+
+
+def _log_softmax_numpy(x: np.ndarray, out: np.ndarray) -> None:
+    """The kernel's arithmetic in numpy, a block of rows at a time: a row with a NaN, or whose
+    largest value is +inf, is NaN."""
+    step = max(1, (1 << 22) // max(x.shape[1], 1))
+    for start in range(0, len(x), step):
+        block = x[start:start + step].astype(np.float64)
+        m = block.max(axis=1, keepdims=True)
+        with np.errstate(invalid="ignore", over="ignore"):
+            shift = m + np.log(np.exp(block - m).sum(axis=1, keepdims=True))
+            rows = block - shift
+        bad = np.isnan(block).any(axis=1) | (m[:, 0] == np.inf)
+        rows[bad] = np.nan
+        out[start:start + step] = rows
 
 
 def kl_nmse(ref: np.ndarray, eng: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

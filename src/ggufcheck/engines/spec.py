@@ -173,6 +173,11 @@ def _llama_cpp(spec: str, rest: str, model_path, kwargs: dict) -> Engine:
                          "need an engine process of its own (leave isolate=0 out)")
     if isolate:
         from ggufcheck.engines.isolated import IsolatedEngine
+        from ggufcheck.engines.rowwise import NO_NUMBA
+
+        # numba's LLVM in a process where a CUDA libggml loaded: SIGSEGV (engines/rowwise.py); the
+        # engine's own process may load one (LLAMA_CPP_LIB_PATH) even with every layer on the CPU
+        env[NO_NUMBA] = "1"
 
         return IsolatedEngine("ggufcheck.engines.llama_cpp:LlamaCppEngine", model_path, preload=("llama_cpp",),
                               python=python, env=env, **{**kwargs, **opts})

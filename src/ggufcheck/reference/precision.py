@@ -90,6 +90,10 @@ class Emulation:
     # most ``decode_batch_max`` tokens takes it (llama.cpp CUDA: MMVQ_MAX_BATCH_SIZE, 8)
     decode_block_sums: str | None = None
     decode_batch_max: int = 8
+    # a rounding of the decode path the engine states but the reference does not compute
+    # (llama.cpp CUDA: F16 routed experts' one-token products in cuBLAS with an F16 compute
+    # type): the decode is then judged by its class allowance alone, and says why
+    decode_unemulated: str | None = None
 
     def describe(self) -> str:
         parts = [f"{what} {kind}" for what, kind in (("activations", self.activations),

@@ -822,6 +822,23 @@ def q5_k_matvec_subtle(model_path: str | Path) -> Engine:
     return subtle_matvec_engine(model_path, "Q5_K")
 
 
+def f16_experts_cublas_engine(model_path: str | Path, stated: int = 1) -> Engine:
+    """F16 matrices off on one-token steps (as cuBLAS's F16 compute type makes llama.cpp CUDA's
+    F16 routed experts on a decode step: half-precision sums), the engine stating it
+    (``stated=1``: Emulation.decode_unemulated, as engines.llama_cpp.gpu_rounding does for F16
+    experts) or not (``stated=0``): the kernel matrix must judge the stated one's decode by its
+    class allowance alone, and name the other's."""
+    from dataclasses import replace
+
+    from ggufcheck.engines.llama_cpp import CUDA_F16_EXPERTS_DECODE
+
+    engine = subtle_matvec_engine(model_path, "F16", error=0.015)
+    if int(stated):
+        engine.capabilities = replace(engine.capabilities, rounding={**engine.capabilities.rounding,
+                                                                     "decode_unemulated": CUDA_F16_EXPERTS_DECODE})
+    return engine
+
+
 def flash_attention_fault(model_path: str | Path, flash_attn: int = 1) -> Engine:
     """``--engine python:ggufcheck.testing.faults:flash_attention_fault[:flash_attn=0|1]``: an
     engine with a setting, as llama.cpp's flash_attn: with 1 its attention is wrong (the
