@@ -3,7 +3,8 @@ real engine, not in a wrapper of the reference (issue 36 item 6).
 
 The source is the llama-cpp-python 0.3.36 sdist's vendored llama.cpp (ggml 0.25.3), the version
 the installed ``llama_cpp`` package binds, fetched from the package registry and cached next to
-the converter (``testing.convert``). A build is ``libllama`` and ``libggml*`` for x86-64 with
+the converter (``testing.convert``). A build is ``libllama``, ``libggml*`` and llama.cpp's own
+server (``llama-server``, for ``--engine llama-server``; engines/llama_server.py) for x86-64 with
 AVX2 (not ``GGML_NATIVE``: on this machine kind a native build selects AMX paths and dies at the
 first decode), ~4 minutes on 2 cores, cached by defect. ``LLAMA_CPP_LIB_PATH`` pointing at the
 returned folder makes ``llama_cpp`` load it: in a process of its own (``llama-cpp:isolate=1``),
@@ -63,7 +64,8 @@ DEFECTS = {
 TEST_DEFECTS = ("flash-attn-scale", "q4_k-gemv-min")
 
 # the parts of the sdist's vendor/llama.cpp a CPU build of libllama needs
-_BUILD_PARTS = ("CMakeLists.txt", "cmake/", "ggml/", "include/", "src/", "common/", "vendor/", "licenses/", "LICENSE")
+_BUILD_PARTS = ("CMakeLists.txt", "cmake/", "ggml/", "include/", "src/", "common/", "vendor/", "licenses/", "LICENSE",
+                "tools/", "scripts/")
 BUILD_ENV = "GGUFCHECK_LLAMA_CPP_BUILD"  # a folder of builds to use instead of the cache
 
 
@@ -84,7 +86,7 @@ def built_library(defects: str | tuple[str, ...] | None = None) -> Path:
     from ggufcheck.testing.convert import LLAMA_CPP_PYTHON_VERSION
 
     out = build_dir() / f"llama-cpp-python-{LLAMA_CPP_PYTHON_VERSION}-{'+'.join(names) or 'healthy'}"
-    if (out / "libllama.so").is_file():
+    if (out / "libllama.so").is_file() and (out / "llama-server").is_file():
         return out
     missing = [tool for tool in ("cmake", "ninja", "cc", "c++") if shutil.which(tool) is None]
     if missing:
@@ -97,18 +99,24 @@ def built_library(defects: str | tuple[str, ...] | None = None) -> Path:
         build = Path(tmp) / "build"
         configure = ["cmake", "-S", str(source), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
                      "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                     "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
-                     "-DLLAMA_BUILD_COMMON=OFF", "-DLLAMA_BUILD_APP=OFF", "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON",
+                     "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON",
+                     "-DLLAMA_BUILD_COMMON=ON", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=OFF",
+                     # the server without its web page (no npm, no download): ggufcheck talks to its API
+                     "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
+                     "-DGGML_AVX=ON", "-DGGML_AVX2=ON",
                      "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DCMAKE_SKIP_BUILD_RPATH=OFF",
                      "-DCMAKE_BUILD_RPATH=$ORIGIN"]
-        for cmd in (configure, ["cmake", "--build", str(build), "--target", "llama", "-j", str(os.cpu_count() or 2)]):
+        make = ["cmake", "--build", str(build), "--target", "llama", "llama-server", "-j", str(os.cpu_count() or 2)]
+        for cmd in (configure, make):
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
             if done.returncode != 0:
                 raise Unavailable(f"llama.cpp build failed ({' '.join(cmd[:3])}): {(done.stdout + done.stderr)[-1500:]}")
         staged = Path(tmp) / "lib"
         staged.mkdir()
-        for lib in (build / "bin").glob("lib*.so*"):
+        for lib in [*(build / "bin").glob("lib*.so*"), build / "bin" / "llama-server"]:
             shutil.copy2(lib, staged / lib.name, follow_symlinks=True)
+        if out.exists():  # an older build of these defects (without the server): replaced
+            shutil.rmtree(out)
         staged.rename(out)
     return out
 

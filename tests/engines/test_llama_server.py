@@ -1,0 +1,100 @@
+"""``--engine llama-server``: llama.cpp's own server, started by ggufcheck and judged over HTTP.
+
+The binary is built from the same llama.cpp source as the tests' defect library
+(testing/llama_cpp_build.py: ``flash-attn-scale`` and ``q4_k-gemv-min``, each reached only
+by its own path): with flash attention off and a Q8_0 model neither defect is reached and the
+server must be healthy; with llama-server's default flash attention on, the flash-attention
+defect makes the served comparison fail and the switch stage names ``flash_attn=0``. The chat
+template check compares the tokens the server feeds for a chat (``/apply-template`` +
+``/tokenize``) with the file's template rendered in the sandbox.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ggufcheck.errors import Unavailable
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server_bin():
+    from ggufcheck.testing.llama_cpp_build import TEST_DEFECTS, built_library
+
+    try:
+        folder = built_library(TEST_DEFECTS)
+    except Unavailable as why:
+        pytest.skip(f"llama.cpp cannot be built here: {why}")
+    binary = folder / "llama-server"
+    if not binary.is_file():
+        pytest.skip("this build has no llama-server")
+    return binary
+
+
+def _options(model, **kw):
+    from ggufcheck.diagnose.plan import DiagnoseOptions
+
+    return DiagnoseOptions(model=model, kernels=False, sanity=False, max_prompts=2, max_tokens=24, decode_to=0,
+                           sweep_to=0, **kw)
+
+
+def test_a_healthy_server_is_healthy_and_stops_with_the_run(server_bin, tiny_gguf):
+    from ggufcheck.diagnose.plan import diagnose
+
+    model = tiny_gguf("llama", qtypes="Q8_0", seed=2).path
+    d = diagnose(_options(model, engine=f"llama-server:bin={server_bin},flash_attn=0"))
+    assert d.verdict.healthy, d.verdict.message
+    assert d.engine["process"] == "llama-server" and "-fa off" in d.engine["command"]
+    import os
+
+    pid = d.engine["pid"]
+    with pytest.raises(ProcessLookupError):  # the server is gone with the run
+        os.kill(pid, 0)
+
+
+def test_the_flash_attention_defect_is_named_by_flipping_flash_attn(server_bin, tiny_gguf):
+    from ggufcheck.diagnose.plan import diagnose
+
+    model = tiny_gguf("llama", qtypes="Q8_0", seed=2).path
+    d = diagnose(_options(model, engine=f"llama-server:bin={server_bin},flash_attn=1"))
+    assert not d.verdict.healthy
+    switches = next(s for s in d.stages if s.stage == "switches")
+    flipped = {r.check: r for r in switches.results}
+    assert any(r.status.value == "FAIL" and "flash_attn=0" in r.message for r in flipped.values()), \
+        [r.message for r in switches.results]
+    assert "flash-attention path" in d.verdict.message or "flash_attn=0" in d.verdict.message, d.verdict.message
+
+
+def test_the_chat_template_the_server_applies_matches_the_file(server_bin, smollm2_path, tmp_path):
+    from ggufcheck.checks.template import check_template
+    from ggufcheck.engines.llama_server import LlamaServerEngine
+    from ggufcheck.gguf.reader import open_gguf
+    from ggufcheck.results import Status
+    from ggufcheck.testing.filefaults import set_key
+    from ggufcheck.tokenizer import load_tokenizer
+
+    with open_gguf(smollm2_path) as m:
+        metadata, tokenizer = dict(m.metadata), load_tokenizer(m)
+    with LlamaServerEngine(smollm2_path, {"bin": str(server_bin), "n_ctx": 512}) as engine:
+        results = {r.check: r for r in check_template(metadata, tokenizer, engine)}
+    assert results["template.engine"].status is Status.PASS, results["template.engine"].message
+    # a template that writes a BOS the server's tokenizer also adds: the server feeds two
+    doubled = set_key(smollm2_path, tmp_path / "doubled-bos.gguf", "tokenizer.chat_template",
+                      "{{ bos_token }}" + metadata["tokenizer.chat_template"])
+    with open_gguf(doubled) as m:
+        metadata2 = dict(m.metadata)
+    with LlamaServerEngine(doubled, {"bin": str(server_bin), "n_ctx": 512}) as engine:
+        results = {r.check: r for r in check_template(metadata2, tokenizer, engine)}
+    assert results["template.bos"].status is Status.FAIL and "2 BOS" in results["template.bos"].message
+
+
+def test_a_missing_binary_is_unavailable_with_the_ways_to_name_one(tiny_gguf, monkeypatch):
+    from ggufcheck.engines.spec import open_engine
+
+    monkeypatch.delenv("GGUFCHECK_LLAMA_SERVER", raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(Unavailable, match="no llama-server binary found"):
+        open_engine("llama-server", tiny_gguf("llama", qtypes="Q8_0", seed=2).path)
+    with pytest.raises(Unavailable, match="bin=/nope: no executable"):
+        open_engine("llama-server:bin=/nope", tiny_gguf("llama", qtypes="Q8_0", seed=2).path)
