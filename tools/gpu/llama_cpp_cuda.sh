@@ -45,7 +45,8 @@ elif has build; then
   # every row of the matrix died the same way), so the CPU side is built for AVX2 as the wheels are
   # GIT_CEILING_DIRECTORIES: the source copy sits inside ggufcheck's git tree, and ggml records the
   # commit git finds (2026-12-07: ggufcheck's own); stopped at .gpu, ggml says "unknown"
-  GIT_CEILING_DIRECTORIES=$PWD/.gpu cmake -S .gpu/llama.cpp -B $B -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
+  export GIT_CEILING_DIRECTORIES=$PWD/.gpu
+  cmake -S .gpu/llama.cpp -B $B -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
     -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
     -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release > $W/cmake.log 2>&1 \
     || { tail -30 $W/cmake.log; exit 1; }
