@@ -39,6 +39,9 @@ def test_the_toolkit_a_binary_records_and_a_known_broken_one_warns(tmp_path):
     binary = tmp_path / "libggml-cuda.so"
     binary.write_bytes(b"\0" * 100 + b"// Cuda compilation tools, release 13.2, V13.2.78\n// Based on NVVM" + b"\0" * 10)
     assert toolkit_release(str(binary)) == "13.2.78"
+    # as the H200 build's compressed fatbin reads (the V's "13.0" a back-reference to the release)
+    binary.write_bytes(b"\0" * 64 + b"Cuda compilation tools, release 13.0, V.88\n" + b"\0" * 10)
+    assert toolkit_release(str(binary)) == "13.0.88"
     (tmp_path / "empty.so").write_bytes(b"")
     assert toolkit_release(str(tmp_path / "empty.so")) is None
 

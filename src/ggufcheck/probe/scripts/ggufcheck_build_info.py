@@ -18,7 +18,10 @@ import re
 import struct
 import sys
 
-TOOLKIT = re.compile(rb"Cuda compilation tools, release (\d+\.\d+), V(\d+\.\d+\.\d+)")
+# nvcc's banner, "release 13.0, V13.0.88". In a zstd-compressed fatbin the "13.0" after the V
+# is a back-reference to the release just before it, so the bytes read "release 13.0, V.88"
+# (measured: the H200 build of 2026-12-07): the release completes the version
+TOOLKIT = re.compile(rb"Cuda compilation tools, release (\d+\.\d+), V(\d+\.\d+\.\d+|\.\d+)")
 DT_NEEDED = 1
 
 
@@ -56,7 +59,10 @@ def toolkit_release(path: str) -> str | None:
             return None
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
             found = TOOLKIT.search(m)
-            return found.group(2).decode() if found else None
+            if not found:
+                return None
+            version = found.group(2).decode()
+            return found.group(1).decode() + version if version.startswith(".") else version
 
 
 def ggml_commit(lib_dir: str) -> str | None:
