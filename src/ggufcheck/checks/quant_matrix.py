@@ -257,9 +257,8 @@ def path_arithmetic(session, stages: list[StageReport]) -> dict[str, tuple[float
     try:
         rows = [row_kls(reference.score(p), engine.score(p), emulated.score(p), 0) for p in session.tokens()]
         out["prefill"] = means(rows)
-        stated = getattr(getattr(emulated, "model", None), "emulation", None)
-        if getattr(stated, "decode_unemulated", None):  # a rounding the reference does not compute
-            raise _Unemulated(out, stated.decode_unemulated)
+        if unemulated_decode(session):  # a rounding the reference does not compute: not compared
+            return {path: pair for path, pair in out.items() if pair is not None}
         generations = next((s.info.get("generations") for s in stages if s.info.get("generations")), None) or []
         rows = []
         for g in generations:
@@ -275,12 +274,10 @@ def path_arithmetic(session, stages: list[StageReport]) -> dict[str, tuple[float
     return {path: pair for path, pair in out.items() if pair is not None}
 
 
-class _Unemulated(Exception):
-    """The decode path's stated arithmetic includes what the reference does not compute."""
-
-    def __init__(self, judged: dict, why: str):
-        super().__init__(why)
-        self.judged, self.why = {p: v for p, v in judged.items() if v is not None}, why
+def unemulated_decode(session) -> str | None:
+    """What the engine states of its decode path that the reference does not compute
+    (Emulation.decode_unemulated), or None: that decode is judged by the class allowance alone."""
+    return getattr(session.emulation().get("emulate"), "decode_unemulated", None)
 
 
 def run_row(qtype: str, options: MatrixOptions, folder: Path, say: Progress) -> MatrixRow:
@@ -297,11 +294,8 @@ def run_row(qtype: str, options: MatrixOptions, folder: Path, say: Progress) -> 
         new_tokens=options.new_tokens, decode_to=0, sweep_to=options.sweep_to, sanity=False), say)
     try:
         stages = run_served(session)
-        unemulated = None
-        try:
-            arithmetic = path_arithmetic(session, stages)
-        except _Unemulated as why:  # the decode judged by its class allowance alone (said in the row)
-            arithmetic, unemulated = why.judged, why.why
+        arithmetic = path_arithmetic(session, stages)
+        unemulated = unemulated_decode(session)  # said in the row
     except Unsupported as err:  # the engine declines the type: not a wrong kernel
         return MatrixRow(qtype, Status.SKIP, message=f"the engine cannot run {qtype}: {err}")
     except Unavailable:

@@ -95,9 +95,7 @@ def options_from(args: argparse.Namespace) -> DiagnoseOptions:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, not {getattr(args, name)}")
     if args.switch_budget < 0:
         raise UsageError(f"--switch-budget must be >= 0, not {args.switch_budget}")
-    device = args.reference_device
-    if not (device in ("auto", "cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit())):
-        raise UsageError(f"--reference-device must be auto, cpu, cuda or cuda:N, not {device!r}")
+    device = reference_device(args.reference_device)
     return DiagnoseOptions(
         layers=parse_layers(args.layers) if args.layers else None,
         experts=parse_indices(args.experts, "--experts", "expert") if args.experts else None,
@@ -110,6 +108,13 @@ def options_from(args: argparse.Namespace) -> DiagnoseOptions:
         reference=args.reference, switches=args.switches, switch_budget=args.switch_budget,
         save_run=save_run_dir(args.save_run) if args.save_run else None,
     )
+
+
+def reference_device(device: str) -> str:
+    """--reference-device: auto, cpu, cuda or cuda:N (a usage error otherwise)."""
+    if not (device in ("auto", "cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit())):
+        raise UsageError(f"--reference-device must be auto, cpu, cuda or cuda:N, not {device!r}")
+    return device
 
 
 def save_run_dir(path: Path) -> Path:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ggufcheck.cli.diagnose import exit_status, write_reports
+from ggufcheck.cli.diagnose import exit_status, reference_device, write_reports
 from ggufcheck.errors import UsageError
 from ggufcheck.report.diagnosis import render_diagnosis
 from ggufcheck.report.header import run_header
@@ -38,10 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ggufcheck.diagnose.rejudge import describe_replay, rejudge
 
-    device = args.reference_device
-    if device is not None and not (device in ("auto", "cpu", "cuda") or
-                                   (device.startswith("cuda:") and device[5:].isdigit())):
-        raise UsageError(f"--reference-device must be auto, cpu, cuda or cuda:N, not {device!r}")
+    device = reference_device(args.reference_device) if args.reference_device is not None else None
     if not args.run_dir.is_dir():
         raise UsageError(f"{args.run_dir}: no such directory", tip="save a run with diagnose --save-run DIR")
     console = Console()

@@ -161,6 +161,47 @@ def model_identity(path: Path) -> dict:
     return {"name": path.name, "size": size, "sha256_ends": digest.hexdigest()}
 
 
+# -- one call, by name --------------------------------------------------------------------
+class _ByCall(Engine):
+    """The Engine calls a run saves, each passed to ``_call(method, *args, **kwargs)``: the
+    recording engine asks its engine and saves the answer, the replay reads it back. The
+    arguments keep the form the stages gave (the saved key is built from them)."""
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def tokenize(self, text, *, add_special=True):
+        return self._call("tokenize", text, add_special=add_special)
+
+    def detokenize(self, tokens):
+        return self._call("detokenize", tokens)
+
+    def score(self, tokens, *, top_k=20):
+        return self._call("score", tokens, top_k=top_k)
+
+    def score_batch(self, batch, *, top_k=20):
+        return self._call("score_batch", batch, top_k=top_k)
+
+    def score_chunked(self, tokens, chunk_size, *, top_k=20):
+        return self._call("score_chunked", tokens, chunk_size, top_k=top_k)
+
+    def generate(self, prompt, max_new_tokens, *, top_k=20):
+        return self._call("generate", prompt, max_new_tokens, top_k=top_k)
+
+    def layer_outputs(self, tokens, kinds=None):
+        return self._call("layer_outputs", tokens, **({} if kinds is None else {"kinds": kinds}))
+
+    def chunked_layer_outputs(self, tokens, chunk_size, kinds=None):
+        return self._call("chunked_layer_outputs", tokens, chunk_size, **({} if kinds is None else {"kinds": kinds}))
+
+    def score_cached(self, tokens, cached, *, top_k=20):
+        return self._call("score_cached", tokens, cached, top_k=top_k)
+
+    def decode_layer_outputs(self, tokens, prompt_length, kinds=None):
+        return self._call("decode_layer_outputs", tokens, prompt_length,
+                          **({} if kinds is None else {"kinds": kinds}))
+
+
 # -- recording ----------------------------------------------------------------------------
 class RunRecorder:
     """Writes a saved run: ``run.json`` (the options, the engine's description, the model's
@@ -199,7 +240,7 @@ class RunRecorder:
             f.write(json.dumps(line, separators=(",", ":")) + "\n")
 
 
-class RecordingEngine(Engine):
+class RecordingEngine(_ByCall):
     """The engine under test, unchanged, with each of its answers saved as it returns."""
 
     def __init__(self, inner: Engine, recorder: RunRecorder):
@@ -219,36 +260,6 @@ class RecordingEngine(Engine):
         self.recorder.record(key, answer)
         return answer
 
-    def tokenize(self, text, *, add_special=True):
-        return self._call("tokenize", text, add_special=add_special)
-
-    def detokenize(self, tokens):
-        return self._call("detokenize", tokens)
-
-    def score(self, tokens, *, top_k=20):
-        return self._call("score", tokens, top_k=top_k)
-
-    def score_batch(self, batch, *, top_k=20):
-        return self._call("score_batch", batch, top_k=top_k)
-
-    def score_chunked(self, tokens, chunk_size, *, top_k=20):
-        return self._call("score_chunked", tokens, chunk_size, top_k=top_k)
-
-    def generate(self, prompt, max_new_tokens, *, top_k=20):
-        return self._call("generate", prompt, max_new_tokens, top_k=top_k)
-
-    def layer_outputs(self, tokens, kinds=None):
-        return self._call("layer_outputs", tokens, **({} if kinds is None else {"kinds": kinds}))
-
-    def chunked_layer_outputs(self, tokens, chunk_size, kinds=None):
-        return self._call("chunked_layer_outputs", tokens, chunk_size, **({} if kinds is None else {"kinds": kinds}))
-
-    def score_cached(self, tokens, cached, *, top_k=20):
-        return self._call("score_cached", tokens, cached, top_k=top_k)
-
-    def decode_layer_outputs(self, tokens, prompt_length, kinds=None):
-        return self._call("decode_layer_outputs", tokens, prompt_length,
-                          **({} if kinds is None else {"kinds": kinds}))
 
     # the weights are the engine's, read live (a saved run does not hold them)
     def weight(self, hf_name, *, rank=0):
@@ -276,7 +287,7 @@ class RecordingEngine(Engine):
 
 
 # -- replaying ----------------------------------------------------------------------------
-class ReplayEngine(Engine):
+class ReplayEngine(_ByCall):
     """The engine of a saved run: answers each call the run made, in order, from disk."""
 
     def __init__(self, directory: Path):
@@ -345,36 +356,6 @@ class ReplayEngine(Engine):
                 arrays = {k: z[k] for k in z.files}
         return decode(entry["answer"], arrays)
 
-    def tokenize(self, text, *, add_special=True):
-        return self._call("tokenize", text, add_special=add_special)
-
-    def detokenize(self, tokens):
-        return self._call("detokenize", tokens)
-
-    def score(self, tokens, *, top_k=20):
-        return self._call("score", tokens, top_k=top_k)
-
-    def score_batch(self, batch, *, top_k=20):
-        return self._call("score_batch", batch, top_k=top_k)
-
-    def score_chunked(self, tokens, chunk_size, *, top_k=20):
-        return self._call("score_chunked", tokens, chunk_size, top_k=top_k)
-
-    def generate(self, prompt, max_new_tokens, *, top_k=20):
-        return self._call("generate", prompt, max_new_tokens, top_k=top_k)
-
-    def layer_outputs(self, tokens, kinds=None):
-        return self._call("layer_outputs", tokens, **({} if kinds is None else {"kinds": kinds}))
-
-    def chunked_layer_outputs(self, tokens, chunk_size, kinds=None):
-        return self._call("chunked_layer_outputs", tokens, chunk_size, **({} if kinds is None else {"kinds": kinds}))
-
-    def score_cached(self, tokens, cached, *, top_k=20):
-        return self._call("score_cached", tokens, cached, top_k=top_k)
-
-    def decode_layer_outputs(self, tokens, prompt_length, kinds=None):
-        return self._call("decode_layer_outputs", tokens, prompt_length,
-                          **({} if kinds is None else {"kinds": kinds}))
 
     def describe(self):
         return {**self._described, "replayed_from": str(self.directory)}
