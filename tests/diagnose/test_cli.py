@@ -183,8 +183,8 @@ def test_progress_says_which_stage_and_which_prompt_and_is_off_with_quiet(tiny_l
     said = []
     diagnose(DiagnoseOptions(model=tiny_llama, engine="reference:fp32", max_prompts=2, max_tokens=20, sanity=False,
                              decode_to=0), progress=said.append)
-    assert said[0].startswith("opening engine") and said[1] == "stage 1/8: environment" and "stage 6/8: layers" in said
-    layers = said.index("stage 6/8: layers")
+    assert said[0].startswith("opening engine") and said[1] == "stage 1/9: environment" and "stage 6/9: layers" in said
+    layers = said.index("stage 6/9: layers")
     assert said[layers + 1:layers + 3] == ["loading the fp64 reference", "comparing every layer with the reference"]
     assert [m.split(" (")[0] for m in said[layers + 3:layers + 5]] == ["layers: prompt 1/2", "layers: prompt 2/2"]
     assert main(["diagnose", str(tiny_llama), "--engine", "reference:fp32", "--no-sanity", "--max-prompts", "1",

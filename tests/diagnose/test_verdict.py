@@ -50,7 +50,7 @@ def test_vocabulary_is_the_documented_one():
     assert names == [
         "environment", "kernel", "gguf-file", "metadata", "chat-template", "mapping", "dequant", "weights",
         "sharding", "embedding", "attention", "mla-kv-b", "rope", "norm", "indexer", "moe-router", "moe-experts",
-        "ffn", "lm-head", "api", "prefill", "decode", "kv-cache", "batching", "sampling", "output",
+        "ffn", "lm-head", "mtp", "api", "prefill", "decode", "kv-cache", "batching", "sampling", "output",
     ]
 
 

@@ -13,7 +13,10 @@ Each stage removes one variable before the next looks further up the stack:
    layer: attention vs FFN/MoE on replayed inputs, router and indexer agreement;
 6. ``sanity``, ``logits``, ``paths``: the served distributions, teacher-forced against the
    fp64 reference, and the execution paths (prefill vs decode, batch, chunks, lengths);
-7. ``switches``: after a served failure, the served comparison again with one engine setting
+7. ``mtp``: a file with a NextN / MTP block: the engine's draft head on the states it feeds
+   it, against the reference's head on the same states (a broken head only lowers the draft
+   acceptance: the served output stays right);
+8. ``switches``: after a served failure, the served comparison again with one engine setting
    flipped at a time (flash attention, KV cache type, GPU offload...): the setting whose flip
    makes the failure go away names the path that is wrong.
 
@@ -89,6 +92,8 @@ PLAN: tuple[Stage, ...] = (
     Stage("served", "the served distributions and execution paths", "ggufcheck.checks.compare",
           lambda s: _needs_engine(s) or ("--layers: the served distributions need every layer (run without it)"
                                          if s.options.layers is not None else None), "output"),
+    Stage("mtp", "the NextN / MTP draft head speculative decoding uses", "ggufcheck.checks.mtp",
+          lambda s: importlib.import_module("ggufcheck.checks.mtp").when(s), "mtp"),
     Stage("switches", "one engine setting at a time (flash attention, KV cache type, GPU offload, ...)",
           "ggufcheck.checks.switches",
           lambda s: _needs_engine(s) or importlib.import_module("ggufcheck.checks.switches").when(s), "output"),

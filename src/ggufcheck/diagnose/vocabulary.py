@@ -58,6 +58,10 @@ COMPONENTS: tuple[Component, ...] = (
               "replay the reference FFN on the engine's layer input"),
     Component("lm-head", "the final norm and output projection (tied or not)",
               "compare final hidden state and logits; check tied embeddings"),
+    Component("mtp", "the NextN / MTP draft head of speculative decoding: eh_proj, enorm / hnorm, its decoder block, "
+                     "its shared head, and the trunk state the engine feeds it",
+              "run the engine's draft head on its own trunk states next to the reference's head (the mtp stage's "
+              "rows); check the NextN tensors' loading and which state is fed (post output_norm, the row before)"),
     Component("api", "how the server reports log-probs: row alignment of echoed prompt entries, raw vs "
                      "processed values, top-k renormalisation",
               "request the prompt log-probs of a short known text and check which position each entry scores"),

@@ -274,6 +274,23 @@ class LayerTrace:
     per_rank: Mapping[int, Mapping[tuple[str, int], np.ndarray]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class MTPTrace:
+    """What an engine's NextN / MTP draft head computed over one prompt (reference/mtp.py).
+
+    Row p carries token ``tokens[p]`` and ``states[p]``, the trunk state the engine fed it
+    (llama.cpp's draft-mtp driver: the trunk's post-``output_norm`` state of row p - 1, zeros
+    for row 0); ``table`` row p is the head's distribution of ``tokens[p + 1]``, the same
+    target as the trunk's row p, whose greedy choice is ``trunk_argmax[p]`` (what the trunk
+    accepts at temperature 0)."""
+
+    tokens: np.ndarray  # [T]
+    states: np.ndarray  # [T, D] float32
+    table: TokenLogprobs  # [T, V]
+    trunk_argmax: np.ndarray  # [T]
+    trunk_states: np.ndarray | None = None  # [T, D] the trunk's own state per row (what ``states`` should shift)
+
+
 class Engine(abc.ABC):
     """An engine under test (or the reference). Subclass and override what you offer.
 
@@ -341,6 +358,11 @@ class Engine(abc.ABC):
         matrix-vector kernels and the cache the decode steps write): where inside the model a
         decode parts from the prefill of the same sequence (checks.path_layers)."""
         raise Unsupported(f"{self.name} traces no decode steps")
+
+    def mtp_outputs(self, tokens: Sequence[int]) -> MTPTrace:
+        """The engine's NextN / MTP draft head over ``tokens`` (a fresh sequence), fed as the
+        engine feeds it when drafting: see :class:`MTPTrace` (checks.mtp)."""
+        raise Unsupported(f"{self.name} does not expose its MTP / NextN draft head")
 
     def weight(self, hf_name: str, *, rank: int = 0) -> np.ndarray:
         """The weight the engine actually loaded under ``hf_name`` on TP rank ``rank``."""

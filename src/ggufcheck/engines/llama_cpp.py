@@ -34,6 +34,7 @@ from ggufcheck.engines.base import (
     Engine,
     Generation,
     LayerTrace,
+    MTPTrace,
     Switch,
     TokenLogprobs,
     Unsupported,
@@ -41,6 +42,7 @@ from ggufcheck.engines.base import (
     log_softmax,
     reasons,
 )
+from ggufcheck.engines.llama_cpp_logs import silence_llama_logs
 from ggufcheck.errors import Unavailable
 
 # llama.cpp graph node names (``cb(cur, "<name>", il)`` in src/models/*.cpp) per layer kind.
@@ -67,21 +69,6 @@ def node_kinds(arch: str | None) -> dict[str, str]:
     return NODE_KINDS_BY_ARCH.get(arch or "", NODE_KINDS)
 
 
-_SILENT_LOG = []  # the ctypes callback must outlive every llama.cpp call that may log
-
-
-def silence_llama_logs(llama_cpp: Any) -> None:
-    """Route llama.cpp's log to nowhere (``verbose=0``).
-
-    llama-cpp-python 0.3.36's own callback filters with the old ggml level numbers
-    (WARN = 2) while its bundled llama.cpp uses the new ones (WARN = 3, which it reads as
-    ERROR), so every warning reached the terminal even with ``verbose=False`` (e.g. one
-    "using full-size SWA cache" per context for gemma3). Failures reach the user through
-    return codes and exceptions; ``verbose=1`` shows llama.cpp's whole log.
-    """
-    if not _SILENT_LOG:
-        _SILENT_LOG.append(llama_cpp.llama_log_callback(lambda level, text, user_data: None))
-    llama_cpp.llama_log_set(_SILENT_LOG[0], ctypes.c_void_p(0))
 
 
 GGML_TYPE_F32 = 0
@@ -264,6 +251,7 @@ class LlamaCppEngine(Engine):
                               tip="build llama.cpp with -DGGML_CUDA=ON and set LLAMA_CPP_LIB_PATH to its "
                                   "build/bin (tools/gpu/llama_cpp_cuda.sh)")
         self.on_gpu = bool(n_gpu_layers)
+        self._n_gpu_layers = int(n_gpu_layers)
         self._lib = llama_cpp
         self.model_path = str(model_path)
         from ggufcheck.runtime import threads as runtime_threads
@@ -512,6 +500,22 @@ class LlamaCppEngine(Engine):
             if kind == "router_order" and used and "router" in kinds:
                 tensors[("router", i)] = np.ascontiguousarray(order[:, :used])
         return LayerTrace(np.array(tokens), tensors, names)
+
+    def mtp_outputs(self, tokens: Sequence[int]) -> MTPTrace:
+        """llama.cpp's NextN / MTP head over ``tokens``, run as its draft-mtp driver runs it
+        (engines/llama_cpp_mtp.py): the model loaded again with its NextN layers, this
+        engine's GPU offload, threads, flash attention and KV cache types."""
+        from ggufcheck.engines.llama_cpp_mtp import run_mtp
+
+        tokens = [int(t) for t in tokens]
+        self._check_length(len(tokens))
+        p = self._llm.context_params
+        run = run_mtp(self.model_path, tokens, n_threads=int(p.n_threads), f32_cache=False,
+                      flash_attn=int(p.flash_attn_type), n_gpu_layers=self._n_gpu_layers,
+                      type_k=int(p.type_k), type_v=int(p.type_v))
+        table = TokenLogprobs(tokens, self.vocab_size, log_softmax(run.mtp_logits, np.float32))
+        return MTPTrace(np.asarray(tokens), run.states_fed, table, np.argmax(run.trunk_logits, axis=-1),
+                        run.trunk_states)
 
     def close(self) -> None:
         llm = getattr(self, "_llm", None)

@@ -83,7 +83,8 @@ def _rows(ptr: Any, n_rows: int, width: int) -> np.ndarray:
 
 def run_mtp(model_path: str | Path, tokens: Sequence[int], *, states: np.ndarray | None = None,
             chunk: int | None = None, n_threads: int = 2, f32_cache: bool = True,
-            flash_attn: int | None = 0, verbose: bool = False) -> MTPRun:
+            flash_attn: int | None = 0, verbose: bool = False, n_gpu_layers: int = 0,
+            type_k: int | None = None, type_v: int | None = None) -> MTPRun:
     """Run llama.cpp's trunk and its MTP head over ``tokens`` (a fresh sequence).
 
     ``states``: the state each MTP row carries [T, D] (default: llama.cpp's own trunk states
@@ -93,13 +94,14 @@ def run_mtp(model_path: str | Path, tokens: Sequence[int], *, states: np.ndarray
     (llama.cpp's default is F16). ``flash_attn``: llama_flash_attn_type (-1 auto, 0 off, 1
     on, None llama.cpp's default: auto); off by default, as llama-cpp-python's ``Llama``:
     ggml's CPU flash attention rounds to f16 (measured on the tiny models: trunk states
-    ~3e-3 apart from the fp64 reference with it, ~1e-6 without).
+    ~3e-3 apart from the fp64 reference with it, ~1e-6 without). ``n_gpu_layers``,
+    ``type_k`` / ``type_v`` (ggml type ids, over ``f32_cache``): a deployment's settings.
     """
     try:
         import llama_cpp
     except ImportError as err:  # pragma: no cover - depends on the environment
         raise Unavailable(f"llama-cpp-python is not installed: {err}") from err
-    from ggufcheck.engines.llama_cpp import silence_llama_logs
+    from ggufcheck.engines.llama_cpp_logs import silence_llama_logs
 
     L = llama_cpp
     if not verbose:
@@ -111,6 +113,7 @@ def run_mtp(model_path: str | Path, tokens: Sequence[int], *, states: np.ndarray
     L.llama_backend_init()
     mparams = L.llama_model_default_params()
     mparams.load_mtp = True
+    mparams.n_gpu_layers = int(n_gpu_layers)
     model = L.llama_model_load_from_file(str(model_path).encode(), mparams)
     if not model:
         raise Unavailable(f"llama.cpp could not load {model_path} with load_mtp")
@@ -132,6 +135,10 @@ def run_mtp(model_path: str | Path, tokens: Sequence[int], *, states: np.ndarray
             cp.ctx_type = ctx_type
             if f32_cache:
                 cp.type_k = cp.type_v = GGML_TYPE_F32
+            if type_k is not None:
+                cp.type_k = int(type_k)
+            if type_v is not None:
+                cp.type_v = int(type_v)
             if flash_attn is not None:
                 cp.flash_attn_type = flash_attn
             ctx = L.llama_init_from_model(model, cp)

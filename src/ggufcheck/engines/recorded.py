@@ -31,7 +31,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ggufcheck.engines.base import Capabilities, Engine, Generation, LayerTrace, Switch, TokenLogprobs, Unsupported
+from ggufcheck.engines.base import (Capabilities, Engine, Generation, LayerTrace, MTPTrace, Switch, TokenLogprobs,
+                                    Unsupported)
 from ggufcheck.errors import UsageError
 
 FORMAT = "ggufcheck-saved-run/1"
@@ -39,7 +40,7 @@ MANIFEST = "run.json"
 CALLS = "calls.jsonl"
 # the engine calls a run saves (the Engine interface's, and the optional chat_tokens)
 RECORDED = ("tokenize", "detokenize", "score", "score_batch", "score_chunked", "generate", "layer_outputs",
-            "chunked_layer_outputs", "score_cached", "decode_layer_outputs", "chat_tokens")
+            "chunked_layer_outputs", "score_cached", "decode_layer_outputs", "mtp_outputs", "chat_tokens")
 NO_WEIGHTS = ("a saved run holds no loaded weights (they are the model's size): the weights audit needs the engine "
               "(rerun diagnose with --engine)")
 
@@ -103,6 +104,12 @@ def encode(value: Any) -> tuple[dict, dict[str, np.ndarray]]:
                 arrays[f"r{rank}.{i}"] = np.asarray(t)
                 ranks[str(rank)].append([kind, int(layer)])
         return {"type": "trace", "tensors": tensors, "per_rank": ranks}, arrays
+    if isinstance(value, MTPTrace):
+        arrays["tokens"], arrays["states"] = np.asarray(value.tokens), np.asarray(value.states)
+        arrays["trunk_argmax"] = np.asarray(value.trunk_argmax)
+        if value.trunk_states is not None:
+            arrays["trunk_states"] = np.asarray(value.trunk_states)
+        return {"type": "mtp", "table": _table_out(value.table, "table.", arrays)}, arrays
     if isinstance(value, list) and value and all(isinstance(t, TokenLogprobs) for t in value):
         return {"type": "tables", "tables": [_table_out(t, f"{i}.", arrays) for i, t in enumerate(value)]}, arrays
     return {"type": "json", "value": _plain(value)}, arrays
@@ -120,6 +127,9 @@ def decode(meta: dict, arrays) -> Any:
         per_rank = {int(r): {(k, layer): arrays[f"r{r}.{i}"] for i, (k, layer) in enumerate(held)}
                     for r, held in meta["per_rank"].items()}
         return LayerTrace(arrays["tokens"], tensors, names, per_rank)
+    if kind == "mtp":
+        return MTPTrace(arrays["tokens"], arrays["states"], _table_in(meta["table"], "table.", arrays),
+                        arrays["trunk_argmax"], arrays.get("trunk_states"))
     if kind == "tables":
         return [_table_in(m, f"{i}.", arrays) for i, m in enumerate(meta["tables"])]
     return meta["value"]
@@ -200,6 +210,9 @@ class _ByCall(Engine):
     def decode_layer_outputs(self, tokens, prompt_length, kinds=None):
         return self._call("decode_layer_outputs", tokens, prompt_length,
                           **({} if kinds is None else {"kinds": kinds}))
+
+    def mtp_outputs(self, tokens):
+        return self._call("mtp_outputs", tokens)
 
 
 # -- recording ----------------------------------------------------------------------------

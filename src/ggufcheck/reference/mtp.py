@@ -47,6 +47,7 @@ from ggufcheck.errors import Unavailable, UsageError
 from ggufcheck.reference.cache import KVCache, LayerOutput
 from ggufcheck.reference.layers import linear, rms_norm
 from ggufcheck.reference.model import ReferenceModel
+from ggufcheck.reference.precision import emulating
 
 NEXTN = "nextn."
 
@@ -143,10 +144,15 @@ class MTPHead:
         """T MTP rows: ``tokens`` [T] with their carried ``states`` [T, D] at ``positions``
         (default: continuing after ``cache``). ``cache``: the head's own KV cache (never the
         trunk's), for row-by-row drafting; without one the rows attend over each other only."""
-        ref, cfg, il = self.ref, self.cfg, self.layer
+        ref = self.ref
         if len(tokens) != states.shape[0]:
             raise UsageError(f"{len(tokens)} tokens but {states.shape[0]} states")
-        cache = KVCache() if cache is None else cache
+        with emulating(ref._emulation_for(len(tokens))):  # a baseline model rounds as its engine's class
+            return self._forward(tokens, states, positions, KVCache() if cache is None else cache)
+
+    def _forward(self, tokens: list[int], states: Tensor, positions: Tensor | list[int] | None,
+                 cache: KVCache) -> MTPOutput:
+        ref, cfg, il = self.ref, self.cfg, self.layer
         start = cache.length
         q_pos = (torch.arange(start, start + len(tokens), dtype=torch.int64) if positions is None
                  else torch.as_tensor(positions, dtype=torch.int64)).to(ref.device)
