@@ -5,7 +5,7 @@
 #
 # Stage first, here: bash tools/gpu/stage_llama_cpp.sh   (fills the git-ignored .gpu/)
 # Device call:       bash tools/gpu/llama_cpp_cuda.sh [STEPS]   with carry [".gpu"]
-#   STEPS: comma-separated subset of build,defectq5k,provenance,arith,arithmore,switches,probe,matrix,matrix2,matrix3,lead,chunklead,families,hfprof,recheck,
+#   STEPS: comma-separated subset of build,defectq5k,provenance,arith,arithmore,f16moe,f16dense,switches,probe,matrix,matrix2,matrix3,lead,chunklead,families,hfprof,recheck,
 #          recheck2,real,realquick,realhttp,reallead,oplead,envtime,server,
 #          oldlead,hf (default: build,probe,matrix,lead,server,oldlead,hf)
 # Writes $OUT/log.txt-style logs per step, $OUT/results.tgz, and on a fresh build the
@@ -266,6 +266,12 @@ if has f16moe; then  # F16 routed experts on a one-token step: 4797x their state
     TAILN=14 step 60 "f16moe$v" python3 -m ggufcheck quants --arch qwen3moe --types F16,BF16,Q8_0 --engine "llama-cpp:n_gpu_layers=99$v" --json "$W/f16moe$v.json"
   done
   TAILN=14 step 60 f16moe-cpu python3 -m ggufcheck quants --arch qwen3moe --types F16,BF16,Q8_0 --engine llama-cpp:n_gpu_layers=0,isolate=1 --json $W/f16moe-cpu.json
+fi
+
+if has f16dense; then  # F16 dense prefill 10.7x its stated arithmetic at width 1024 (2026-12-07, unexplained): cuBLAS compute type?
+  for v in "" ",cublas_f32=1" ",n_batch=8"; do
+    TAILN=14 step 60 "f16dense$v" python3 -m ggufcheck quants --width 1024 --types F16,BF16,F32 --engine "llama-cpp:n_gpu_layers=99$v" --json "$W/f16dense$v.json"
+  done
 fi
 
 if has switches; then  # issue 37 item 1: every llama.cpp switch flipped on the GPU (CUDA graphs, fusion included)
