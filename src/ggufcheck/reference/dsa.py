@@ -45,9 +45,9 @@ def index_scores(
     k_all = cache.extend("index_k", k)  # [S, Di]
     head_w = linear(x, w["indexer.proj.weight"]) * (cfg.indexer_heads**-0.5 * cfg.indexer_dim**-0.5)  # [T, Hi]
     blocks = blocks_of(n_tok, cfg.indexer_heads * k_all.shape[0] * x.element_size())
-    scores = torch.cat([torch.einsum("th,ths->ts", head_w[b], torch.einsum("thd,sd->ths", q[b], k_all).relu())
-                        for b in blocks])  # [T, S], from [Tb, Hi, S] per block
-    return scores.masked_fill(~causal_mask(q_pos, k_pos), float("-inf"))
+    scores = torch.cat([torch.einsum("th,ths->ts", head_w[b], torch.einsum("thd,sd->ths", q[b], k_all).relu_())
+                        for b in blocks])  # [T, S], from [Tb, Hi, S] per block (relu in place: same values)
+    return scores.masked_fill_(~causal_mask(q_pos, k_pos), float("-inf"))
 
 
 def select_top_k(scores: Tensor, top_k: int) -> Tensor:

@@ -140,8 +140,9 @@ def attention(
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float, sinks: Tensor | None) -> Tensor:
     """:func:`attention` after the kv heads are expanded: k, v [S, H, d]."""
-    scores = torch.einsum("thd,shd->hts", q, k) * scale  # [H, T, S]
-    scores = scores.masked_fill(~allowed[None], float("-inf"))
+    # in place: the same products and the same masking, one [H, T, S] tensor alive instead of three
+    scores = torch.einsum("thd,shd->hts", q, k).mul_(scale)  # [H, T, S]
+    scores.masked_fill_(~allowed[None], float("-inf"))
     if sinks is not None:
         sink = sinks.to(scores.dtype)[:, None, None].expand(-1, scores.shape[1], 1)  # [H, T, 1]
         probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]

@@ -60,8 +60,9 @@ def project_kv(cfg: ReferenceConfig, w: Weights, x: Tensor) -> tuple[Tensor, Ten
 
 
 def _softmax(scores: Tensor, allowed: Tensor, scale: float) -> Tensor:
-    """scores [H, T, S] -> probabilities, -inf where not allowed [T, S]."""
-    return torch.softmax((scores * scale).masked_fill(~allowed[None], float("-inf")), dim=-1)
+    """scores [H, T, S] (a temporary: scaled and masked in place) -> probabilities, -inf where
+    not allowed [T, S]."""
+    return torch.softmax(scores.mul_(scale).masked_fill_(~allowed[None], float("-inf")), dim=-1)
 
 
 def attend_naive(q_nope: Tensor, q_pe: Tensor, c: Tensor, k_pe: Tensor, k_b: Tensor, v_b: Tensor,
@@ -69,7 +70,7 @@ def attend_naive(q_nope: Tensor, q_pe: Tensor, c: Tensor, k_pe: Tensor, k_b: Ten
     """Expand per-head keys / values from the latent, then ordinary attention -> [T, H, V]."""
     k_nope = torch.einsum("sc,hcd->shd", c, k_b)  # [S, H, P]
     v = torch.einsum("sc,hec->she", c, v_b)  # [S, H, V]
-    scores = torch.einsum("thd,shd->hts", q_nope, k_nope) + torch.einsum("thr,sr->hts", q_pe, k_pe)  # [H, T, S]
+    scores = torch.einsum("thd,shd->hts", q_nope, k_nope).add_(torch.einsum("thr,sr->hts", q_pe, k_pe))  # [H, T, S]
     return torch.einsum("hts,she->the", _softmax(scores, allowed, scale), v)  # [T, H, V]
 
 
@@ -77,7 +78,7 @@ def attend_absorbed(q_nope: Tensor, q_pe: Tensor, c: Tensor, k_pe: Tensor, k_b: 
                     allowed: Tensor, scale: float) -> Tensor:
     """Attention in the latent space: k_b folded into q, v_b applied after softmax -> [T, H, V]."""
     q_abs = torch.einsum("thd,hcd->thc", q_nope, k_b)  # [T, H, L]
-    scores = torch.einsum("thc,sc->hts", q_abs, c) + torch.einsum("thr,sr->hts", q_pe, k_pe)  # [H, T, S]
+    scores = torch.einsum("thc,sc->hts", q_abs, c).add_(torch.einsum("thr,sr->hts", q_pe, k_pe))  # [H, T, S]
     o_latent = torch.einsum("hts,sc->thc", _softmax(scores, allowed, scale), c)  # [T, H, L]
     return torch.einsum("thc,hec->the", o_latent, v_b)  # [T, H, V]
 
