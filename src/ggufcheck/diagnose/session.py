@@ -125,6 +125,7 @@ class Session:
         self._tokens: list[list[int]] | None = None
         self.tokenizer_used: str | None = None  # whose tokenizer made the prompts' tokens
         self.model = None
+        self._lent = None  # lend(self.model) while the run holds it
         self.resources = None  # the resource plan (diagnose/resources.py), made before the first stage
         self.reports: list = []  # the stages' reports so far (diagnose/plan.py fills it)
         self.timings: dict[str, float] = {}  # seconds per stage so far
@@ -146,7 +147,11 @@ class Session:
         from ggufcheck.gguf.reader import open_gguf
 
         if self.model is None:
+            from ggufcheck.gguf.reader import lend
+
             self.model = open_gguf(self.options.model)
+            self._lent = lend(self.model)  # the engines, the reference and the checks borrow it
+            self._lent.__enter__()
         return self.model
 
     def indexer_top_k(self) -> int | None:
@@ -310,4 +315,7 @@ class Session:
             if engine is not None:
                 engine.close()
         if self.model is not None:
+            if self._lent is not None:
+                self._lent.__exit__(None, None, None)
+                self._lent = None
             self.model.close()

@@ -13,6 +13,8 @@ present, the ``split.*`` keys consistent, and tensor names unique across parts.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import mmap
 import os
 import re
@@ -384,6 +386,7 @@ class GGUFModel:
         for part in parts:
             self.tensors.update(part.tensors)
         self._mmaps = {p.path: p.mm for p in parts}
+        self._borrowed = False
 
     # -- metadata ---------------------------------------------------------------
     @property
@@ -477,7 +480,13 @@ class GGUFModel:
         return iter(self.tensors.values())
 
     # -- lifecycle --------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return all(p.mm is None for p in self._parts) if self._parts else True
+
     def close(self) -> None:
+        if self._borrowed:  # a view of a lent model (lend): its owner closes it
+            return
         for part in self._parts:
             if part.mm is not None:
                 try:
@@ -507,9 +516,43 @@ def split_parts(path: Path) -> list[Path] | None:
     return [path.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
 
 
+# Models lent for the length of a run (:func:`lend`): an open of the same path during it
+# borrows the lent model instead of parsing the file again.
+_LENT: dict[Path, GGUFModel] = {}
+
+
+@contextlib.contextmanager
+def lend(model: GGUFModel):
+    """While the block runs, :func:`open_gguf` of ``model``'s path (from the engines, the
+    reference, the checks) returns a borrowed view of ``model``: the file is parsed and
+    mapped once per run (``diagnose``'s session lends the model it opened), and a
+    borrower's ``close`` leaves it open for the others. The owner closes it."""
+    key = Path(model.path).resolve()
+    before = _LENT.get(key)
+    _LENT[key] = model
+    try:
+        yield model
+    finally:
+        if before is None:
+            _LENT.pop(key, None)
+        else:
+            _LENT[key] = before
+
+
+def _borrowed(model: GGUFModel) -> GGUFModel:
+    view = copy.copy(model)  # the same parts, tables and maps; its close() does not close them
+    view._borrowed = True
+    return view
+
+
 def open_gguf(path: str | os.PathLike) -> GGUFModel:
-    """Open and validate a GGUF model (any part of a split model opens the whole model)."""
+    """Open and validate a GGUF model (any part of a split model opens the whole model); a
+    model lent for this run (:func:`lend`) is borrowed instead."""
     path = Path(path)
+    if _LENT:
+        lent = _LENT.get(path.resolve())
+        if lent is not None and not lent.closed:
+            return _borrowed(lent)
     part_paths = split_parts(path)
     if part_paths is None or len(part_paths) == 1:
         part = _parse_part(path)
