@@ -334,8 +334,24 @@ def test_a_request_past_its_time_limit_kills_the_worker_and_says_so(vllm_python,
 
 
 # ------------------------------------------------------------- vLLM's OpenAI server, for real
+# a chat template the tiny vocabulary can end a turn with (its EOS), for the template check
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
 @pytest.fixture(scope="module")
-def vllm_server(vllm_python, tiny, tmp_path_factory):
+def served_model(tiny, tmp_path_factory):
+    """The tiny qwen2 F32 GGUF with a chat template (the server's tokenizer carries it)."""
+    from gguf import GGUFValueType
+
+    from ggufcheck.testing.filefaults import set_key
+
+    return set_key(tiny[("qwen2", "F32")], tmp_path_factory.mktemp("chat") / "qwen2-chat.gguf",
+                   "tokenizer.chat_template", CHAT_TEMPLATE, GGUFValueType.STRING)
+
+
+@pytest.fixture(scope="module")
+def vllm_server(vllm_python, served_model, tmp_path_factory):
     """``vllm.entrypoints.openai.api_server`` on loopback serving the tiny qwen2 F32 GGUF (the
     CPU compatibility plug-in reaches it through the ``vllm.general_plugins`` entry point)."""
     import signal
@@ -344,7 +360,7 @@ def vllm_server(vllm_python, tiny, tmp_path_factory):
 
     from ggufcheck.engines.vllm import build_config_dir
 
-    model = tiny[("qwen2", "F32")]
+    model = served_model
     cfg = build_config_dir(model, vllm_python)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -379,12 +395,13 @@ def vllm_server(vllm_python, tiny, tmp_path_factory):
         log.close()
 
 
-def test_vllm_openai_server_prompt_logprob_dialect_for_real(vllm_server, tiny):
+def test_vllm_openai_server_prompt_logprob_dialect_for_real(vllm_server, served_model):
     """The vLLM dialect of ``--engine http://...`` against vLLM's real server: detected as
-    vLLM, teacher-forced top-k + tail log-probs at every position, healthy on a healthy model."""
+    vLLM, teacher-forced top-k + tail log-probs at every position, healthy on a healthy model;
+    the chat it feeds (its ``/tokenize`` with the messages) is the file's template's."""
     from ggufcheck.engines.spec import open_engine
 
-    model = tiny[("qwen2", "F32")]
+    model = served_model
     with open_engine(vllm_server, model) as engine:
         assert "vllm" in engine.name.lower()
         seq = engine.tokenize("the quick brown fox jumps over the lazy dog")
@@ -394,6 +411,8 @@ def test_vllm_openai_server_prompt_logprob_dialect_for_real(vllm_server, tiny):
                                      max_prompts=2, max_tokens=48, new_tokens=4), engine=engine)
     assert d.verdict.healthy, _fails(d)
     assert {"logits", "paths"} <= _stages_ran(d)
+    fed = next(r for s in d.stages for r in s.results if r.check == "template.engine")
+    assert fed.status.value == "PASS" and "feeds the same" in fed.message, fed.message
 
 
 # ------------------------------------------- MLA + MoE: an exported checkpoint (plug-in refuses it)

@@ -289,7 +289,19 @@ class HttpEngine(Engine):
     def chat_tokens(self, messages: Sequence[dict]) -> list[int]:
         """The tokens a chat request feeds the model (checks.template): llama-server renders its
         template (``/apply-template``, as ``/v1/chat/completions`` does) and tokenizes the text
-        with its specials parsed and BOS added, as it does a chat prompt."""
+        with its specials parsed and BOS added, as it does a chat prompt; vLLM's ``/tokenize``
+        takes the chat itself (``TokenizeChatRequest``) and renders it as its chat endpoint
+        does (generation prompt on, no special tokens added beyond the template's: the
+        defaults of both requests)."""
+        if self.kind == "vllm":
+            body: dict = {"messages": [dict(m) for m in messages], "add_generation_prompt": True,
+                          "add_special_tokens": False}
+            if self.model_id:
+                body["model"] = self.model_id
+            try:
+                return [int(t) for t in _field(self.client.post("/tokenize", body), "tokens")]
+            except HttpStatusError as err:  # e.g. no chat template in the served tokenizer
+                raise Unsupported(f"vLLM's /tokenize refused the chat: {str(err)[-200:]}") from None
         if self.kind != "llama-server":
             raise Unsupported(f"{self.kind}'s server does not say here which tokens a chat request feeds")
         prompt = _field(self.client.post("/apply-template", {"messages": [dict(m) for m in messages]}), "prompt")
