@@ -2,7 +2,9 @@
 against the reference's head fed the same states. Healthy through the real llama.cpp; a head
 that llama.cpp loads from a copy of the file with one NextN tensor changed, or that is fed
 the wrong state, is named ``mtp`` while every trunk stage passes (the silent fault: the served
-output is right, only the draft acceptance drops)."""
+output is right, only the draft acceptance drops). Chained drafts (3 steps from 4 start rows)
+are judged at positions 2..3 and acceptance by draft position is reported; a driver that
+feeds a chained step the trunk's state instead of the head's own is named ``mtp.chain_state``."""
 
 from __future__ import annotations
 
@@ -25,9 +27,9 @@ def nextn_model(tmp_path_factory):
                            n_nextn=1).path
 
 
-def _diagnose(model, engine):
+def _diagnose(model, engine, **kw):
     options = DiagnoseOptions(model=model, kernels=False, max_prompts=2, max_tokens=24, sweep_to=0, decode_to=0,
-                              sanity=False)  # random weights: near-flat by nature
+                              sanity=False, **kw)  # random weights: near-flat by nature
     try:
         return diagnose(options, engine=engine)
     finally:
@@ -47,6 +49,14 @@ def test_a_healthy_llama_cpp_head_passes(nextn_model):
     assert statuses["mtp.kl_mean"] is Status.PASS, [r.message for r in mtp.results]
     assert "draft acceptance at position 1" in next(r.message for r in mtp.results if r.check == "mtp.kl_mean")
     assert mtp.info["acceptance"]["rows"] > 10
+    for check in ("mtp.chain_state", "mtp.chain_kl_mean", "mtp.chain_kl_p99", "mtp.chain_argmax"):
+        assert statuses[check] is Status.PASS, [r.message for r in mtp.results]
+    chain = next(r.message for r in mtp.results if r.check == "mtp.chain_kl_mean")
+    assert "draft positions 2..3" in chain and "acceptance by draft position 1..3" in chain
+    accepted = mtp.info["acceptance_by_position"]
+    assert accepted["rounds"] == 4 and all(len(accepted[k]) == 3 for k in ("engine", "reference_head", "reference"))
+    assert accepted["engine"] == sorted(accepted["engine"], reverse=True)  # position k needs 1..k - 1 accepted
+    assert len(mtp.info["chain_kl_by_position"]) == 3
     assert d.verdict.healthy, d.verdict.message
 
 
@@ -86,6 +96,31 @@ def test_a_head_fed_the_wrong_state_is_named_mtp(nextn_model):
     assert d.verdict.component == "mtp" and d.verdict.check == "mtp.state", d.verdict.message
     head = next(r for r in _stage(d, "mtp").results if r.check == "mtp.kl_mean")
     assert head.status is Status.PASS  # the head itself computes right on what it is given
+
+
+def test_a_chain_fed_the_trunk_state_is_named_mtp(nextn_model):
+    """The driver feeds draft step k + 1 the trunk's state of the row before its position
+    instead of the head's own output state of step k (the per-row head is right)."""
+    from ggufcheck.engines.base import MTPDrafts, log_softmax
+    from ggufcheck.engines.llama_cpp import LlamaCppEngine
+    from ggufcheck.engines.llama_cpp_mtp import draft_mtp
+
+    class TrunkStateChain(LlamaCppEngine):
+        def mtp_drafts(self, tokens, start_rows, n_draft):
+            right = draft_mtp(self.model_path, tokens, start_rows, n_draft)
+            states = right.fed_states.copy()
+            for s, p in enumerate(right.start_rows):
+                for k in range(1, n_draft):
+                    states[s, k] = right.trunk_states[min(p + k - 1, len(tokens) - 1)]
+            run = draft_mtp(self.model_path, tokens, start_rows, n_draft, feed=(right.fed_tokens, states))
+            logprobs = log_softmax(run.logits.reshape(-1, run.logits.shape[-1]), np.float32).reshape(run.logits.shape)
+            return MTPDrafts(np.asarray(tokens), run.states_fed, np.asarray(start_rows), run.fed_tokens,
+                             run.fed_states, logprobs, np.argmax(run.trunk_logits, axis=-1), run.trunk_states)
+
+    d = _diagnose(nextn_model, TrunkStateChain(nextn_model), paths=False)
+    assert d.verdict.component == "mtp" and d.verdict.check == "mtp.chain_state", d.verdict.message
+    statuses = {r.check: r.status for r in _stage(d, "mtp").results}
+    assert statuses["mtp.kl_mean"] is Status.PASS and statuses["mtp.chain_kl_mean"] is Status.PASS  # fed the same
 
 
 def test_a_file_without_nextn_layers_skips_the_stage(tiny_gguf):

@@ -8,6 +8,14 @@ this machine (F32 weights and KV cache, flash attention off): per-row KL <= 1e-1
 |d log p| ~5e-6, for glm4moe, deepseek2 and glm-dsa; llama.cpp's trunk states and the
 reference's agree to ~3e-6. A corrupted NextN tensor in the engine's copy of the file
 (eh_proj's halves swapped, enorm doubled) moves every row by KL 0.06..1.4.
+
+Chained drafts (reference/mtp.py ``chained_drafts`` against engines/llama_cpp_mtp.py
+``draft_mtp``, 3 draft steps from 3-4 start rows): per draft position KL max <= 3e-13 end to
+end (the same drafts at every step), <= 5e-14 on llama.cpp's own fed tokens and states; the
+head's output state (what the next step is fed) within ~2e-6. Negative controls, KL mean at
+positions 2..3 against llama.cpp: the trunk's state fed instead of the head's own 0.4-0.8,
+the head's cache without the sequence's MTP rows before the start 0.1-0.5 (position 1
+included).
 """
 
 from __future__ import annotations
@@ -17,7 +25,8 @@ import pytest
 import torch
 
 from ggufcheck.reference import KVCache, ReferenceModel
-from ggufcheck.reference.mtp import MTPHead, llama_cpp_pairing, mtp_logprobs, trunk_states
+from ggufcheck.reference.mtp import (MTPHead, acceptance_by_position, chained_drafts, greedy_continuation,
+                                     llama_cpp_pairing, mtp_logprobs, trunk_states)
 
 ARCHS = ("glm4moe", "deepseek2", "glm-dsa")
 NEXTN_LAYER = 3  # the tiny models have 3 trunk layers; the NextN block is blk.3
@@ -214,3 +223,113 @@ def test_a_corrupted_nextn_tensor_fails_by_a_wide_margin(arch, fault, nextn_file
     print(f"{arch} {fault.__name__}: MTP KL mean {kl.mean():.2e}, min {kl.min():.2e}")
     assert _kl(trunk, _logprobs(run.trunk_logits)).max() < 1e-9  # the trunk is untouched: silent
     assert kl.min() > 1e-3 and kl.mean() > 3e-2  # the healthy head: KL <= 1e-9 at every row
+
+
+# -- chained drafts: n_draft > 1 from one NextN block ----------------------------------------
+
+CHAIN_ARCHS = ("deepseek2", "glm4moe", "glm-dsa")
+N_DRAFT = 3
+
+
+def _chain_setup(arch: str) -> tuple[list[int], list[int]]:
+    if arch == "glm-dsa":  # the trunk below top_k (8) tokens; the MTP block runs dense MLA at any length
+        return _tokens(7), [1, 3, 5]
+    return _tokens(16), [1, 5, 9, 14]
+
+
+@pytest.fixture(scope="module")
+def draft_run():
+    pytest.importorskip("llama_cpp")
+    from ggufcheck.engines.llama_cpp_mtp import draft_mtp
+
+    return draft_mtp
+
+
+def _stack(chains) -> torch.Tensor:
+    return torch.stack([c.logprobs for c in chains])  # [S, K, V]
+
+
+@pytest.mark.parametrize("arch", CHAIN_ARCHS)
+def test_chained_drafts_agree_with_llama_cpp(arch, nextn_file, draft_run):
+    """The reference's chain (own trunk states, own drafts, own output states) against
+    llama.cpp's draft-mtp driver, position by position; and the reference's head on exactly
+    what llama.cpp fed each step."""
+    path = nextn_file(arch)
+    tokens, starts = _chain_setup(arch)
+    run = draft_run(path, tokens, starts, N_DRAFT)
+    theirs = _logprobs(run.logits)
+    with ReferenceModel(path) as ref:
+        own = chained_drafts(ref, tokens, starts, N_DRAFT)
+        fed = chained_drafts(ref, tokens, starts, N_DRAFT, row_states=torch.from_numpy(run.states_fed),
+                             feed=(run.fed_tokens, run.fed_states))
+        first = mtp_logprobs(ref, tokens)  # the per-row head: a chain's first step
+    kl_own, kl_fed = _kl(_stack(own), theirs).max(0).values, _kl(_stack(fed), theirs).max(0).values
+    hidden = max((c.hidden - torch.from_numpy(run.hidden[i]).double()).abs().max().item() for i, c in enumerate(own))
+    print(f"{arch} chained drafts vs llama.cpp, KL max by draft position: end to end "
+          f"{', '.join(f'{v:.1e}' for v in kl_own)}; on llama.cpp's feed {', '.join(f'{v:.1e}' for v in kl_fed)}; "
+          f"head output state max |d| {hidden:.1e}")
+    assert [c.drafts for c in own] == run.drafts.tolist()  # the same chain: step k + 1 is fed the same draft
+    assert kl_own.max() < 1e-9 and kl_fed.max() < 1e-9
+    assert hidden < 1e-4
+    assert torch.allclose(_stack(own)[:, 0], first[starts], atol=1e-10)
+
+
+@pytest.mark.parametrize("arch", CHAIN_ARCHS)
+def test_a_chained_step_is_fed_the_heads_own_state_through_a_cache_holding_the_prompt(arch, nextn_file, draft_run):
+    """Negative controls: plausible other chainings are far from what llama.cpp computes
+    (healthy: KL <= 1e-9 at every position): step k + 1 fed the trunk's state of row
+    p + k - 1 (the row before its position) instead of the head's own output of step k;
+    the head's KV cache holding the draft steps only (not the sequence's MTP rows before p)."""
+    path = nextn_file(arch)
+    tokens, starts = _chain_setup(arch)
+    run = draft_run(path, tokens, starts, N_DRAFT)
+    theirs = _logprobs(run.logits)
+    with ReferenceModel(path) as ref:
+        trunk = trunk_states(ref, tokens)
+        states = run.fed_states.copy()
+        for s, p in enumerate(starts):
+            for k in range(1, N_DRAFT):
+                states[s, k] = trunk[min(p + k - 1, len(tokens) - 1)].numpy()
+        trunk_fed = _stack(chained_drafts(ref, tokens, starts, N_DRAFT, trunk, feed=(run.fed_tokens, states)))
+        head = MTPHead(ref)
+        no_prefix = []
+        for s, p in enumerate(starts):
+            cache = KVCache()  # the draft steps alone
+            no_prefix.append(torch.cat([head.forward([int(run.fed_tokens[s, k])],
+                                                     torch.from_numpy(run.fed_states[s, k:k + 1]).double(),
+                                                     positions=[p + k], cache=cache).logprobs
+                                        for k in range(N_DRAFT)]))
+    kl_trunk, kl_cache = _kl(trunk_fed, theirs).mean(0), _kl(torch.stack(no_prefix), theirs).mean(0)
+    print(f"{arch} KL mean by draft position: trunk state fed at steps 2..: {', '.join(f'{v:.2e}' for v in kl_trunk)}; "
+          f"no prompt rows in the head's cache: {', '.join(f'{v:.2e}' for v in kl_cache)}")
+    assert kl_trunk[0] < 1e-9  # step 1 is fed the same either way
+    assert kl_trunk[1:].min() > 0.1
+    assert kl_cache.min() > 0.03
+
+
+def test_acceptance_by_position_on_a_greedy_sequence(nextn_file, draft_run):
+    """The reference trunk's greedy continuation is llama.cpp's trunk's too (its argmax at each
+    generated row is the next token: an independent check of ``greedy_continuation``); the
+    acceptance of llama.cpp's chains equals the reference's on it; and the definition: drafts
+    equal to the sequence are accepted at every position, a wrong draft at position k stops
+    the chain there."""
+    path = nextn_file("deepseek2")
+    prompt = _tokens(10)
+    with ReferenceModel(path) as ref:
+        seq = greedy_continuation(ref, prompt, 6)
+        starts = list(range(len(prompt) - 1, len(prompt) + 3))
+        ours = [c.drafts for c in chained_drafts(ref, seq, starts, N_DRAFT)]
+    run = draft_run(path, seq, starts, N_DRAFT)
+    assert seq[:len(prompt)] == prompt and len(seq) == len(prompt) + 6
+    assert np.argmax(run.trunk_logits, axis=-1)[len(prompt) - 1:-1].tolist() == seq[len(prompt):]
+    theirs = acceptance_by_position(run.drafts.tolist(), seq, starts)
+    print(f"deepseek2 (random weights) acceptance by draft position over {len(starts)} rounds: "
+          f"llama.cpp {theirs}, reference {acceptance_by_position(ours, seq, starts)}")
+    assert theirs == acceptance_by_position(ours, seq, starts)
+    perfect = [[seq[p + k + 1] for k in range(N_DRAFT)] for p in starts]
+    assert acceptance_by_position(perfect, seq, starts) == [len(starts)] * N_DRAFT
+    for wrong in range(N_DRAFT):
+        drafts = [list(row) for row in perfect]
+        drafts[0][wrong] = (drafts[0][wrong] + 1) % 511
+        counts = acceptance_by_position(drafts, seq, starts)
+        assert counts == [len(starts)] * wrong + [len(starts) - 1] * (N_DRAFT - wrong)

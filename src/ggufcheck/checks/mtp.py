@@ -20,6 +20,24 @@ engine's class does) ``+ floor``, widened to the class's stated allowance; rows 
 head's MoE routing is a near-tie for the engine's class are left out. The report also gives
 the acceptance at draft position 1 that speculative decoding would see at temperature 0
 (the head's top-1 equal to the trunk's), for the engine's head and for the reference's.
+
+Drafting more than one token chains the head (:meth:`Engine.mtp_drafts`; llama.cpp's
+draft-mtp driver with one NextN block): step k + 1 is fed step k's greedy draft and the
+head's OWN output state of step k, through its KV cache holding the sequence's MTP rows
+before the start row. On a sequence that is the reference trunk's greedy continuation of the
+first prompt (reference/mtp.py ``greedy_continuation``), from ``DRAFT_STARTS`` start rows,
+``DRAFT_STEPS`` steps each, the stage judges (a) the engine's distributions at draft
+positions 2..K against the reference's head chained on exactly what the engine fed each step
+(the same tokens and states: ``mtp.chain_kl_mean`` / ``mtp.chain_kl_p99`` /
+``mtp.chain_argmax``, the same allowance as position 1), and (b) the state the engine fed
+each step after the first against the reference head's output state of the step before on
+those inputs (``mtp.chain_state``: a driver that feeds the trunk's state, or the head's
+state before shared_head_norm, again is named there). Position 1 of a chain is the row judged
+above. The report gives acceptance by draft position (reference/mtp.py
+``acceptance_by_position``: draft k accepted iff drafts 1..k equal the greedy sequence's
+next k tokens) for the engine's chain, for the reference's head chained on the engine's
+trunk states, and for the reference end to end (its own trunk states): the acceptance that
+speculative decoding at temperature 0 would see against the reference trunk's own choices.
 """
 
 from __future__ import annotations
@@ -30,7 +48,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ggufcheck.checks.logits import ROUTER_TIE_MARGINS, LogitTolerance, baseline_from, collect, judge
-from ggufcheck.engines.base import MTPTrace, TokenLogprobs, Unsupported
+from ggufcheck.engines.base import MTPDrafts, MTPTrace, TokenLogprobs, Unsupported
 from ggufcheck.results import Result, StageReport, failed, passed, skipped
 
 if TYPE_CHECKING:
@@ -38,6 +56,8 @@ if TYPE_CHECKING:
 
 STAGE = "mtp"
 PROMPTS = 2  # prompts the head is run on (each a trunk pass and a head pass on the engine)
+DRAFT_STEPS = 3  # K: draft tokens per chain (llama.cpp's --spec-draft-n-max default)
+DRAFT_STARTS = 4  # S: start rows chained (the last rows of the first prompt's greedy continuation)
 
 
 def nextn_layers(session: "Session") -> int:
@@ -133,7 +153,8 @@ def run(session: "Session") -> list[StageReport]:
         accepted["rows"] += len(trunk)
     from ggufcheck.checks.compare import combined_baseline
 
-    measured = (baseline_from(collect(base_pairs), f"measured: the baseline run's head ({str(baseline_model.dtype).replace('torch.', '')})")
+    base_dtype = str(getattr(baseline_model, "dtype", "")).replace("torch.", "")
+    measured = (baseline_from(collect(base_pairs), f"measured: the baseline run's head ({base_dtype})")
                 if base_pairs else None)
     baseline = combined_baseline(measured, klass)
     results = judge(collect(pairs), baseline, LogitTolerance(), detokenize=None, component="mtp")
@@ -145,4 +166,125 @@ def run(session: "Session") -> list[StageReport]:
     for r in results:
         r = replace(r, check=r.check.replace("logits.", "mtp."))
         report.add(r.amended(rate) if r.check == "mtp.kl_mean" else r)
+    _judge_chains(session, engine, model, baseline_model, klass, margin, report)
     return [report]
+
+
+def _chain_tables(model, drafts: MTPDrafts) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A reference model's head chained on exactly what the engine fed each step (its tokens,
+    its states, its cache rows): (log-probabilities [S, K, V], output states [S, K, D],
+    router gaps [S, K] or None)."""
+    import torch
+
+    from ggufcheck.reference.mtp import chained_drafts
+
+    chains = chained_drafts(model, [int(t) for t in drafts.tokens], [int(p) for p in drafts.start_rows],
+                            drafts.fed_tokens.shape[1], row_states=torch.from_numpy(np.asarray(drafts.states)),
+                            feed=(drafts.fed_tokens, np.asarray(drafts.fed_states)))
+    logprobs = np.stack([c.logprobs.to("cpu", torch.float64).numpy() for c in chains])
+    hidden = np.stack([c.hidden.to("cpu", torch.float64).numpy() for c in chains])
+    gaps = (None if chains[0].router_gap is None
+            else np.stack([c.router_gap.to("cpu", torch.float64).numpy() for c in chains]))
+    return logprobs, hidden, gaps
+
+
+def _position_table(tokens: np.ndarray, logprobs: np.ndarray, ambiguous: np.ndarray | None = None) -> TokenLogprobs:
+    """Draft steps 2..K of every chain as one table (rows: chain-major)."""
+    vocab = logprobs.shape[-1]
+    return TokenLogprobs(tokens[:, 1:].reshape(-1), vocab, logprobs[:, 1:].reshape(-1, vocab),
+                         ambiguous=None if ambiguous is None else ambiguous[:, 1:].reshape(-1))
+
+
+def _judge_chain_states(drafts: MTPDrafts, ref_hidden: np.ndarray, klass: str, name: str) -> Result:
+    """The state the engine fed each draft step after the first against the reference head's
+    output state (after shared_head_norm) of the step before, computed on the engine's inputs:
+    a driver that feeds the trunk's state, a stale one, or the head's state before its norm is
+    named here. Relative L2 error per step, held like ``mtp.state``."""
+    from ggufcheck.checks.path_layers import allowance_for
+
+    fed = np.asarray(drafts.fed_states, dtype=np.float64)[:, 1:]
+    want = ref_hidden[:, :-1]
+    rel = (np.linalg.norm(fed - want, axis=-1) / np.maximum(np.linalg.norm(want, axis=-1), 1e-30)).reshape(-1)
+    if rel.size == 0:
+        return skipped("mtp.chain_state", "mtp", "a single draft step: no chained state to judge")
+    limit = allowance_for(klass)
+    median, worst = float(np.median(rel)), float(rel.max())
+    what = (f"the state {name} fed draft step k + 1 vs the reference head's own output state of step k on the same "
+            f"inputs: relative error median {median:.3g} over {rel.size} steps (max {worst:.3g}), "
+            f"allowance {limit:.3g}")
+    stats = {"median": median, "max": worst, "steps": int(rel.size), "limit": limit}
+    if not np.isfinite(median) or median > limit:
+        return failed("mtp.chain_state", "mtp", what + ": a chained draft step is given the wrong state (the "
+                      "trunk's, a stale one, or the head's before its norm)", stats=stats)
+    return passed("mtp.chain_state", "mtp", what, stats=stats)
+
+
+def _judge_chains(session: "Session", engine, model, baseline_model, klass: str, margin: float,
+                  report: StageReport) -> None:
+    """Chained drafts: draft positions 2..K judged, acceptance by draft position reported."""
+    import torch
+
+    from ggufcheck.checks.compare import combined_baseline
+    from ggufcheck.reference.mtp import acceptance_by_position, chained_drafts, greedy_continuation
+
+    prompts = session.tokens()
+    if not prompts:
+        return
+    prompt = list(prompts[0])
+    seq = greedy_continuation(model, prompt, DRAFT_STARTS + DRAFT_STEPS - 1)
+    starts = list(range(len(prompt) - 1, len(prompt) - 1 + DRAFT_STARTS))
+    try:
+        drafts = engine.mtp_drafts(seq, starts, DRAFT_STEPS)
+    except Unsupported as why:
+        report.add(skipped("mtp.chain", "mtp", f"{why}: only draft position 1 is judged"))
+        return
+    ref_logprobs, ref_hidden, gaps = _chain_tables(model, drafts)
+    ambiguous = gaps < margin if gaps is not None and margin else None
+    tokens = np.asarray(drafts.fed_tokens)
+    pairs = [(_position_table(tokens, ref_logprobs, ambiguous), _position_table(tokens, np.asarray(drafts.logprobs)))]
+    measured = None
+    if baseline_model is not None:
+        base = _position_table(tokens, _chain_tables(baseline_model, drafts)[0])
+        measured = baseline_from(collect([(pairs[0][0], base)]),
+                                 f"measured: the baseline run's head chained on the same inputs "
+                                 f"({str(baseline_model.dtype).replace('torch.', '')})")
+    # KL per draft position (position 1 included: the chain's first step is a row judged above)
+    p, q = ref_logprobs, np.asarray(drafts.logprobs, dtype=np.float64)
+    kl = np.sum(np.exp(p) * (p - q), axis=-1)  # [S, K]
+    # acceptance by draft position against the reference trunk's greedy sequence
+    own = chained_drafts(model, seq, starts, DRAFT_STEPS, row_states=torch.from_numpy(np.asarray(drafts.states)))
+    end_to_end = chained_drafts(model, seq, starts, DRAFT_STEPS)
+    accepted = {
+        "engine": acceptance_by_position(drafts.drafts, seq, starts),
+        "reference_head": acceptance_by_position([c.drafts for c in own], seq, starts),
+        "reference": acceptance_by_position([c.drafts for c in end_to_end], seq, starts),
+        "rounds": len(starts), "steps": DRAFT_STEPS,
+        "trunk_agrees": int(np.sum(np.asarray(drafts.trunk_argmax)[starts[0]:len(seq) - 1]
+                                   == np.asarray(seq)[starts[0] + 1:])),
+        "trunk_rows": len(seq) - 1 - starts[0],
+    }
+    report.info["acceptance_by_position"] = accepted
+    report.info["chain"] = (f"{len(starts)} chains of {DRAFT_STEPS} draft steps from rows {starts[0]}..{starts[-1]} of "
+                            f"the first prompt continued greedily by the reference trunk ({len(seq)} tokens)")
+    report.info["chain_kl_by_position"] = [float(v) for v in kl.mean(axis=0)]
+    n = len(starts)
+
+    def rates(counts: list[int]) -> str:
+        return ", ".join(f"{c}/{n}" for c in counts)
+
+    note = (f"; KL mean by draft position {', '.join(f'{v:.3g}' for v in kl.mean(axis=0))}; acceptance by draft "
+            f"position 1..{DRAFT_STEPS} (all drafts up to k equal to the reference trunk's greedy tokens) "
+            f"{rates(accepted['engine'])} for {engine.name}'s chain, {rates(accepted['reference_head'])} for the "
+            f"reference's head chained on {engine.name}'s trunk states, {rates(accepted['reference'])} for the "
+            f"reference end to end")
+    report.add(_judge_chain_states(drafts, ref_hidden, klass, engine.name))
+    if DRAFT_STEPS < 2:
+        return
+    results = judge(collect(pairs), combined_baseline(measured, klass), LogitTolerance(), detokenize=None,
+                    component="mtp")
+    for r in results:
+        if r.check not in ("logits.kl", "logits.kl_mean", "logits.kl_p99", "logits.argmax"):
+            continue
+        r = replace(r, check=r.check.replace("logits.", "mtp.chain_"),
+                    message=f"draft positions 2..{DRAFT_STEPS}, chained: " + r.message)
+        report.add(r.amended(note) if r.check == "mtp.chain_kl_mean" else r)

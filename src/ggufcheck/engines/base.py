@@ -291,6 +291,29 @@ class MTPTrace:
     trunk_states: np.ndarray | None = None  # [T, D] the trunk's own state per row (what ``states`` should shift)
 
 
+@dataclass(frozen=True)
+class MTPDrafts:
+    """An engine's NextN / MTP head drafting K tokens from S start rows of one sequence, as its
+    speculative decoding chains them (reference/mtp.py ``chained_drafts``; llama.cpp's
+    draft-mtp driver: step 1 is ``tokens[p]`` with the trunk state of row p - 1, step k + 1
+    the step-k draft with the head's own output state of step k, through the head's KV cache
+    holding the sequence's MTP rows before p). Step k's distribution drafts ``tokens[p + k]``."""
+
+    tokens: np.ndarray  # [T] the sequence
+    states: np.ndarray  # [T, D] the state each MTP row of the sequence carried (the head's cache rows)
+    start_rows: np.ndarray  # [S]
+    fed_tokens: np.ndarray  # [S, K] the token each step was fed
+    fed_states: np.ndarray  # [S, K, D] float32 the state each step was fed
+    logprobs: np.ndarray  # [S, K, V] float32 log-softmax of each step
+    trunk_argmax: np.ndarray  # [T] the trunk's greedy choice per row of the sequence
+    trunk_states: np.ndarray | None = None  # [T, D] the trunk's own state per row
+
+    @property
+    def drafts(self) -> np.ndarray:
+        """[S, K] the greedy draft of each step."""
+        return np.argmax(self.logprobs, axis=-1)
+
+
 class Engine(abc.ABC):
     """An engine under test (or the reference). Subclass and override what you offer.
 
@@ -363,6 +386,12 @@ class Engine(abc.ABC):
         """The engine's NextN / MTP draft head over ``tokens`` (a fresh sequence), fed as the
         engine feeds it when drafting: see :class:`MTPTrace` (checks.mtp)."""
         raise Unsupported(f"{self.name} does not expose its MTP / NextN draft head")
+
+    def mtp_drafts(self, tokens: Sequence[int], start_rows: Sequence[int], n_draft: int) -> MTPDrafts:
+        """The engine's NextN / MTP head drafting ``n_draft`` tokens from each of ``start_rows``
+        of ``tokens`` (a fresh sequence), chained as its speculative decoding chains them: see
+        :class:`MTPDrafts` (checks.mtp)."""
+        raise Unsupported(f"{self.name} does not expose chained MTP / NextN drafts")
 
     def weight(self, hf_name: str, *, rank: int = 0) -> np.ndarray:
         """The weight the engine actually loaded under ``hf_name`` on TP rank ``rank``."""

@@ -34,6 +34,7 @@ from ggufcheck.engines.base import (
     Engine,
     Generation,
     LayerTrace,
+    MTPDrafts,
     MTPTrace,
     Switch,
     TokenLogprobs,
@@ -516,6 +517,23 @@ class LlamaCppEngine(Engine):
         table = TokenLogprobs(tokens, self.vocab_size, log_softmax(run.mtp_logits, np.float32))
         return MTPTrace(np.asarray(tokens), run.states_fed, table, np.argmax(run.trunk_logits, axis=-1),
                         run.trunk_states)
+
+    def mtp_drafts(self, tokens: Sequence[int], start_rows: Sequence[int], n_draft: int) -> MTPDrafts:
+        """llama.cpp's NextN / MTP head drafting ``n_draft`` tokens from each start row, chained
+        as its draft-mtp driver chains them (engines/llama_cpp_mtp.py ``draft_mtp``), with this
+        engine's GPU offload, threads, flash attention and KV cache types."""
+        from ggufcheck.engines.llama_cpp_mtp import draft_mtp
+
+        tokens = [int(t) for t in tokens]
+        self._check_length(len(tokens) + int(n_draft))
+        p = self._llm.context_params
+        run = draft_mtp(self.model_path, tokens, [int(r) for r in start_rows], int(n_draft), n_threads=int(p.n_threads),
+                        f32_cache=False, flash_attn=int(p.flash_attn_type), n_gpu_layers=self._n_gpu_layers,
+                        type_k=int(p.type_k), type_v=int(p.type_v))
+        n_start, n_draft = run.fed_tokens.shape
+        logprobs = log_softmax(run.logits.reshape(n_start * n_draft, -1), np.float32).reshape(run.logits.shape)
+        return MTPDrafts(np.asarray(tokens), run.states_fed, np.asarray(run.start_rows), run.fed_tokens,
+                         run.fed_states, logprobs, np.argmax(run.trunk_logits, axis=-1), run.trunk_states)
 
     def close(self) -> None:
         llm = getattr(self, "_llm", None)

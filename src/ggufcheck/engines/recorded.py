@@ -31,8 +31,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ggufcheck.engines.base import (Capabilities, Engine, Generation, LayerTrace, MTPTrace, Switch, TokenLogprobs,
-                                    Unsupported)
+from ggufcheck.engines.base import (Capabilities, Engine, Generation, LayerTrace, MTPDrafts, MTPTrace, Switch,
+                                    TokenLogprobs, Unsupported)
 from ggufcheck.errors import UsageError
 
 FORMAT = "ggufcheck-saved-run/1"
@@ -40,7 +40,8 @@ MANIFEST = "run.json"
 CALLS = "calls.jsonl"
 # the engine calls a run saves (the Engine interface's, and the optional chat_tokens)
 RECORDED = ("tokenize", "detokenize", "score", "score_batch", "score_chunked", "generate", "layer_outputs",
-            "chunked_layer_outputs", "score_cached", "decode_layer_outputs", "mtp_outputs", "chat_tokens")
+            "chunked_layer_outputs", "score_cached", "decode_layer_outputs", "mtp_outputs", "mtp_drafts",
+            "chat_tokens")
 NO_WEIGHTS = ("a saved run holds no loaded weights (they are the model's size): the weights audit needs the engine "
               "(rerun diagnose with --engine)")
 
@@ -110,6 +111,11 @@ def encode(value: Any) -> tuple[dict, dict[str, np.ndarray]]:
         if value.trunk_states is not None:
             arrays["trunk_states"] = np.asarray(value.trunk_states)
         return {"type": "mtp", "table": _table_out(value.table, "table.", arrays)}, arrays
+    if isinstance(value, MTPDrafts):
+        for f in fields(MTPDrafts):
+            if getattr(value, f.name) is not None:
+                arrays[f.name] = np.asarray(getattr(value, f.name))
+        return {"type": "mtp_drafts"}, arrays
     if isinstance(value, list) and value and all(isinstance(t, TokenLogprobs) for t in value):
         return {"type": "tables", "tables": [_table_out(t, f"{i}.", arrays) for i, t in enumerate(value)]}, arrays
     return {"type": "json", "value": _plain(value)}, arrays
@@ -130,6 +136,8 @@ def decode(meta: dict, arrays) -> Any:
     if kind == "mtp":
         return MTPTrace(arrays["tokens"], arrays["states"], _table_in(meta["table"], "table.", arrays),
                         arrays["trunk_argmax"], arrays.get("trunk_states"))
+    if kind == "mtp_drafts":
+        return MTPDrafts(**{f.name: arrays[f.name] for f in fields(MTPDrafts) if f.name in arrays})
     if kind == "tables":
         return [_table_in(m, f"{i}.", arrays) for i, m in enumerate(meta["tables"])]
     return meta["value"]
@@ -213,6 +221,9 @@ class _ByCall(Engine):
 
     def mtp_outputs(self, tokens):
         return self._call("mtp_outputs", tokens)
+
+    def mtp_drafts(self, tokens, start_rows, n_draft):
+        return self._call("mtp_drafts", tokens, start_rows, n_draft)
 
 
 # -- recording ----------------------------------------------------------------------------

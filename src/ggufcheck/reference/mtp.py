@@ -30,6 +30,12 @@ the first row of a sequence with a zero state (``pending_h`` starts zeroed): row
 then predicts ``x_{p+1}``, the same target as the trunk's row ``p``
 (:func:`llama_cpp_pairing`). In the notation (h_t, x_{t+1}) -> x_{t+2}: t = p - 1.
 
+Drafting K > 1 tokens chains the one block (:func:`chained_drafts`, as llama.cpp's driver
+``draft()`` does): step k + 1 is fed step k's greedy draft and the head's own ``hidden``,
+through the head's KV cache holding the sequence's MTP rows before the start row;
+:func:`greedy_continuation` and :func:`acceptance_by_position` replay speculative decoding at
+temperature 0 teacher-forced, for acceptance by draft position.
+
 glm-dsa: llama.cpp's MTP block runs dense MLA, without the DSA indexer (llama-model.cpp:
 "The NextN/MTP draft head runs dense MLA (no DSA indexer)"); that is the default here
 (``indexer=False``). Whether the trained GLM-5 head uses its indexer tensors is
@@ -44,7 +50,7 @@ import torch
 from torch import Tensor
 
 from ggufcheck.errors import Unavailable, UsageError
-from ggufcheck.reference.cache import KVCache, LayerOutput
+from ggufcheck.reference.cache import KVCache, LayerCache, LayerOutput
 from ggufcheck.reference.layers import linear, rms_norm
 from ggufcheck.reference.model import ReferenceModel
 from ggufcheck.reference.precision import emulating
@@ -186,3 +192,136 @@ def mtp_logprobs(ref: ReferenceModel, tokens: list[int], states: Tensor | None =
     trunk = trunk_states(ref, tokens) if states is None else states
     head = MTPHead(ref, index, indexer)
     return head.forward(list(tokens), llama_cpp_pairing(trunk.to(dtype=ref.dtype, device=ref.device))).logprobs
+
+
+# -- chained drafts: n_draft > 1 from one NextN block ----------------------------------------
+
+
+@dataclass
+class DraftChain:
+    """``K`` chained draft steps of the head from one start row ``p`` of a sequence."""
+
+    start: int  # p: step 1 is the sequence's token at p (llama.cpp's ``id_last`` at ``pos0`` = p)
+    tokens: list[int]  # [K] the token each step was fed (step 1: tokens[p]; step k: draft k - 1)
+    states: Tensor  # [K, D] the state each step was fed (step 1: trunk state of row p - 1; then the head's own)
+    logits: Tensor  # [K, V] step k's logits: the draft of tokens[p + k]
+    hidden: Tensor  # [K, D] the head's own h_nextn at each step (what the next step is fed)
+    router_gap: Tensor | None  # [K] the block's MoE router gaps (None for a dense block)
+
+    @property
+    def logprobs(self) -> Tensor:
+        return torch.log_softmax(self.logits, dim=-1)
+
+    @property
+    def drafts(self) -> list[int]:
+        """The greedy draft of each step (the top-1 of llama.cpp's top-k draft sampler)."""
+        return self.logits.argmax(-1).tolist()
+
+
+def _cache_prefix(cache: KVCache, n: int) -> KVCache:
+    """A new cache holding the first ``n`` rows of ``cache`` (its tensors are not changed)."""
+    if n == 0 or cache.positions is None:
+        return KVCache()
+    return KVCache(layers={i: LayerCache({k: v[:n] for k, v in lc.tensors.items()}) for i, lc in cache.layers.items()},
+                   positions=cache.positions[:n])
+
+
+@torch.no_grad()
+def chained_drafts(ref: ReferenceModel, tokens: list[int], start_rows: list[int], n_draft: int,
+                   states: Tensor | None = None, *, row_states: Tensor | None = None,
+                   feed: tuple | None = None, index: int = 0, indexer: bool = False) -> list[DraftChain]:
+    """The head drafting ``n_draft`` tokens from each start row p of ``tokens``, chained as
+    llama.cpp's draft-mtp driver chains one NextN block (common/speculative.cpp
+    ``common_speculative_impl_draft_mtp::draft``, its ``else`` branch: neither shared memory
+    nor one head per step):
+
+    - the head's own KV cache holds the sequence's MTP rows before p (row r: token x_r at
+      position r with the trunk state of row r - 1, :func:`llama_cpp_pairing`), as the
+      driver's ``process()`` hook left it after the target decoded x_0..x_{p-1}; nothing
+      from p on (the server drops ctx_dft's positions past the target's after each draft);
+    - step 1: x_p at position p with the trunk state of row p - 1 (``id_last`` with
+      ``pending_h``): the same row as :func:`mtp_logprobs`'s row p;
+    - step k + 1: the step-k greedy draft at position p + k with the head's own output state
+      of step k (``h_nextn`` of the MTP graph, after shared_head_norm: :attr:`MTPOutput.hidden`),
+      appended to the same cache (step k + 1 attends over the rows before p and steps 1..k).
+
+    ``states``: the trunk states [T, D] (default: the reference's own, :func:`trunk_states`);
+    ``row_states``: the state each row of ``tokens`` carries [T, D] instead of their pairing
+    (an engine's). ``feed``: (tokens [S][K], states [S][K][D]) fed at each step instead of
+    the chain's own (the steps an engine fed, to judge its head alone; a negative control).
+    One :class:`DraftChain` per start row, in the order given."""
+    tokens = [int(t) for t in tokens]
+    if not tokens or not start_rows or n_draft < 1:
+        raise UsageError("no tokens, start rows or draft steps")
+    if min(start_rows) < 0 or max(start_rows) >= len(tokens):
+        raise UsageError(f"start rows must lie in 0..{len(tokens) - 1}")
+    if row_states is None:
+        trunk = trunk_states(ref, tokens) if states is None else states
+        row_states = llama_cpp_pairing(trunk.to(dtype=ref.dtype, device=ref.device))
+    row_states = torch.as_tensor(row_states).to(dtype=ref.dtype, device=ref.device)
+    head = MTPHead(ref, index, indexer)
+    last = max(start_rows)
+    prompt = KVCache()
+    if last > 0:  # the process() hook's rows before the latest start, once; each start takes its prefix
+        head.forward(tokens[:last], row_states[:last], cache=prompt)
+    chains = []
+    for s, p in enumerate(start_rows):
+        cache = _cache_prefix(prompt, p)
+        token, state = tokens[p], row_states[p]
+        fed_tokens, fed_states, logits, hidden, gaps = [], [], [], [], []
+        for k in range(n_draft):
+            if feed is not None:
+                token = int(feed[0][s][k])
+                state = torch.as_tensor(feed[1][s][k]).to(dtype=ref.dtype, device=ref.device)
+            out = head.forward([token], state[None], positions=[p + k], cache=cache)
+            fed_tokens.append(token)
+            fed_states.append(state)
+            logits.append(out.logits[0])
+            hidden.append(out.hidden[0])
+            gaps.append(out.layer.router_gap)
+            token, state = int(out.logits[0].argmax()), out.hidden[0]
+        chains.append(DraftChain(p, fed_tokens, torch.stack(fed_states), torch.stack(logits), torch.stack(hidden),
+                                 None if gaps[0] is None else torch.cat(gaps)))
+    return chains
+
+
+@torch.no_grad()
+def greedy_continuation(ref: ReferenceModel, prompt: list[int], n_new: int) -> list[int]:
+    """``prompt`` followed by ``n_new`` tokens the trunk chooses greedily (its argmax, fed back
+    one at a time through its KV cache): a sequence on which the trunk's argmax at every row
+    from ``len(prompt) - 1`` on is the sequence's next token, so that speculative decoding at
+    temperature 0 can be replayed teacher-forced over it (:func:`acceptance_by_position`)."""
+    if not prompt:
+        raise UsageError("no prompt to continue")
+    cache, seq = KVCache(), [int(t) for t in prompt]
+    logits = ref.forward(seq, cache)[0]
+    for _ in range(n_new):
+        seq.append(int(logits[-1].argmax()))
+        if len(seq) - len(prompt) < n_new:
+            logits = ref.forward(seq[-1:], cache)[0]
+    return seq
+
+
+def acceptance_by_position(drafts, tokens: list[int], start_rows: list[int]) -> list[int]:
+    """How many start rows had their draft at position k accepted, k = 1..K.
+
+    Speculative decoding at temperature 0 replayed over ``tokens``, a sequence that is the
+    trunk's own greedy continuation from each start row on (:func:`greedy_continuation`: the
+    trunk's argmax at row r is tokens[r + 1] for every row r >= p). From start row p (the
+    trunk's last choice x_p is ``id_last``), draft k (predicting the token at p + k) is
+    accepted iff drafts 1..k all equal tokens[p + 1..p + k]: the trunk verifies the drafts in
+    order and keeps the longest agreeing prefix. Because the sequence is the trunk's greedy
+    one, its argmax after an accepted prefix is the sequence's next token, so no further
+    trunk pass is needed. ``drafts``: [S][K] per start row; every p + K must lie in the
+    sequence. The rate at position k is count[k - 1] / S; the mean accepted length per
+    round is sum(count) / S."""
+    n_draft = len(drafts[0]) if len(drafts) else 0
+    counts = [0] * n_draft
+    for row, p in zip(drafts, start_rows):
+        if p + n_draft >= len(tokens):
+            raise UsageError(f"start row {p} + {n_draft} drafts runs past the sequence ({len(tokens)} tokens)")
+        for k in range(n_draft):
+            if int(row[k]) != int(tokens[p + k + 1]):
+                break
+            counts[k] += 1
+    return counts
