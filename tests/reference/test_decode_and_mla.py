@@ -8,6 +8,21 @@ import torch
 
 from ggufcheck.reference import KVCache, ReferenceModel, Trace
 
+# Two paths through the same fp64 arithmetic that differ only in how a matrix is laid out in
+# memory (a freshly dequantized tensor vs a cached one, a row block vs the whole matrix) are
+# not bit-identical on every CPU: MKL's GEMM on AMD EPYC (this project's CI machines) rounds
+# differently with the operands' alignment and with the output width (measured: 8 of 14
+# realigned fp64 products differ in the last bits). They agree to a few ulps of fp64 (measured
+# there: streaming vs resident 1.8e-15, row / expert / score blocks 3.6e-15 on logprobs of ~11),
+# which this bound states with room; a wrong block, row or expert moves logprobs by 1e-3 or more.
+SAME_ARITHMETIC = 1e-12
+
+
+def same_arithmetic(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when a and b are one computation up to fp64 summation order."""
+    scale = max(1.0, float(a.abs().max()))
+    return a.shape == b.shape and float((a - b).abs().max()) <= SAME_ARITHMETIC * scale
+
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "glm4moe", "deepseek2-yarn", "glm-dsa-shared"])
 def test_decode_equals_prefill(arch, tiny, prompt):
@@ -55,13 +70,13 @@ def test_streaming_equals_resident(tiny, prompt):
         ts, tr = s.prefill(tokens), r.prefill(tokens)
         kept = [key[1] for key in s.weights.cache._items]
         assert kept == ["output_norm.weight"] and r.weights.cache.used > 0  # streaming kept no layer tensor
-    assert torch.equal(ts.logprobs, tr.logprobs)
+    assert same_arithmetic(ts.logprobs, tr.logprobs)
 
 
 @pytest.mark.parametrize("arch", ["glm-dsa", "deepseek2", "gpt-oss", "gemma3"])
 def test_bounded_memory_paths_give_the_same_numbers(arch, tiny, prompt, monkeypatch):
     """Per-expert reads, row-blocked matrices, query-blocked scores and a cache that keeps part
-    of the model (forced on a tiny model by shrinking their limits) give bit-identical traces."""
+    of the model (forced on a tiny model by shrinking their limits) give the same traces (to fp64 summation order: see SAME_ARITHMETIC)."""
     from ggufcheck.reference import layers, weights
 
     tokens = prompt(24)
@@ -81,9 +96,9 @@ def test_bounded_memory_paths_give_the_same_numbers(arch, tiny, prompt, monkeypa
         kept = sum(t.numel() * t.element_size() for k, t in cache._items.items() if k[1].startswith("blk."))
         assert 0 < kept <= 20_000 and cache.hits > 0  # (plus the always-kept output_norm)
         assert isinstance(b.weights.layer(0)["attn_output.weight"], weights.RowBlocked)
-    assert torch.equal(got.logprobs, want.logprobs)
+    assert same_arithmetic(got.logprobs, want.logprobs)
     for a, c in zip(want.layers, got.layers):
-        assert torch.equal(a.hidden, c.hidden) and torch.equal(a.attn_out, c.attn_out)
+        assert same_arithmetic(a.hidden, c.hidden) and same_arithmetic(a.attn_out, c.attn_out)
     assert cache.used == 0  # the last store over the file closed: its entries went
     compact = weights.WeightCache(1 << 30, compact=True)  # float32 entries widened per read
     with ReferenceModel(path) as c:
@@ -91,7 +106,7 @@ def test_bounded_memory_paths_give_the_same_numbers(arch, tiny, prompt, monkeypa
         c.weights = weights.WeightStore(c.gguf, c.dtype, c.device, cache=compact)
         c.prefill(tokens)
         assert all(t.dtype == torch.float32 for k, t in compact._items.items() if k[1].startswith("blk."))
-        assert torch.equal(c.prefill(tokens).logprobs, want.logprobs)
+        assert same_arithmetic(c.prefill(tokens).logprobs, want.logprobs)
 
 
 @pytest.mark.parametrize("arch", ["glm4moe", "glm-dsa-shared"])
