@@ -49,6 +49,14 @@ def test_product_code_does_not_import_the_fault_kit():
     assert not offenders, offenders
 
 
+def test_the_product_holds_no_fault_of_the_real_engines():
+    """Faults injected into the real vLLM live in a plug-in of the tests' vLLM venv
+    (tools/vllm/faults), not in the worker ggufcheck ships."""
+    offenders = sorted(str(p.relative_to(SRC)) for p in SRC.rglob("*.py")
+                       if (SRC / "testing") not in p.parents and "GGUFCHECK_VLLM_FAULT" in p.read_text())
+    assert not offenders, offenders
+
+
 def test_no_two_modules_import_each_other():
     """Within the package, imports run one way (the data flow): no module pair imports each
     other, a lazy import inside a function included (type-only imports, and a package's

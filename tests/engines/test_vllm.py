@@ -468,6 +468,19 @@ def test_exported_deepseek2_at_tp2_every_rank_audited_through_vllms_own_mla_abso
     assert not [r for r in w.results if r.check in ("weights.loaded.exposed", "weights.loaded.unaudited")]
 
 
+def test_the_fault_plug_in_is_inert_unless_asked_and_refuses_an_unknown_fault(vllm_python):
+    """The faults below come from tools/vllm/faults (a vLLM general plug-in of this venv only)."""
+    import subprocess
+
+    code = "import ggufcheck_vllm_faults as f; f.register(); print('inert')"
+    env = {k: v for k, v in os.environ.items() if k != "GGUFCHECK_VLLM_FAULT"}
+    done = subprocess.run([vllm_python, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "inert", done.stderr
+    done = subprocess.run([vllm_python, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=env | {"GGUFCHECK_VLLM_FAULT": "flip_everything"})
+    assert done.returncode != 0 and "unknown fault" in done.stderr
+
+
 def test_experts_in_the_wrong_order_in_the_real_engine_are_named(vllm_python, deepseek2, monkeypatch):
     """Fault injected into the loaded model (layer 1's routed experts rolled by one before
     vLLM prepacks them): the weights stage names moe-experts at layer 1."""

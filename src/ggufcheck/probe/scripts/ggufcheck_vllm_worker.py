@@ -159,7 +159,6 @@ def _install_cpu_compat() -> None:
         prepack = experts.process_weights_after_loading
 
         def process_weights_after_loading(self, layer):
-            _inject_expert_fault(layer)
             for name in ("w13_weight", "w2_weight"):
                 w = getattr(layer, name, None)
                 if w is not None and not w.is_meta:
@@ -199,55 +198,6 @@ def _wants_cpu_compat() -> bool:
         return bool(current_platform.is_cpu())
     except Exception:  # noqa: BLE001 - no vLLM here: the driver reports that
         return False
-
-
-def _inject_rank_fault(worker, layers, handles) -> None:
-    """Tests only: GGUFCHECK_VLLM_FAULT='rank_attention:RANK:LAYER' scales that layer's
-    attention output by 1.5 on that rank only, after vLLM's all-reduce (a collective or a
-    rank-local step that is wrong on one rank: the ranks' residual streams part there);
-    'decode_mlp:LAYER' scales the second half of that layer's MLP output by 1.5 on one-token
-    forwards only, on every rank (a matrix-vector kernel wrong: decode steps, not prefills)."""
-    fault = os.environ.get("GGUFCHECK_VLLM_FAULT", "")
-    if fault.startswith("decode_mlp:"):
-        def one_token_wrong(_mod, _args, out):
-            value = out[0] if isinstance(out, tuple) else out
-            if value.shape[0] != 1:
-                return out
-            value = value.clone()
-            value[..., value.shape[-1] // 2:] *= 1.5
-            return (value, *out[1:]) if isinstance(out, tuple) else value
-
-        handles.append(layers[int(fault.split(":")[1])].mlp.register_forward_hook(one_token_wrong))
-        return
-    if not fault.startswith("rank_attention:"):
-        return
-    rank, layer = (int(x) for x in fault.split(":")[1:3])
-    if getattr(worker, "rank", 0) != rank:
-        return
-
-    def wrong(_mod, _args, out):
-        return (out[0] * 1.5, *out[1:]) if isinstance(out, tuple) else out * 1.5
-
-    handles.append(layers[layer].self_attn.register_forward_hook(wrong))
-
-
-def _inject_expert_fault(layer) -> None:
-    """Tests only: GGUFCHECK_VLLM_FAULT='permute_experts:LAYER' rolls the routed experts of
-    that layer by one as loaded, before vLLM prepacks them, so the real engine computes with
-    experts in the wrong order (a fault in the loaded model, not in ggufcheck's view of it)."""
-    import torch
-
-    fault = os.environ.get("GGUFCHECK_VLLM_FAULT", "")
-    if not fault.startswith("permute_experts:"):
-        return
-    target = f".layers.{fault.split(':', 1)[1]}."
-    name = str(getattr(layer, "layer_name", "") or getattr(layer, "prefix", ""))
-    if target not in name + ".":
-        return
-    with torch.no_grad():
-        for param in ("w13_weight", "w2_weight"):
-            w = getattr(layer, param)
-            w.data.copy_(torch.roll(w.data, shifts=1, dims=0))
 
 
 def register_cpu_compat() -> None:
@@ -321,7 +271,6 @@ def rank_install_hooks(worker):
     inner.forward = observed_forward
     handles = []
     kinds = []
-    _inject_rank_fault(worker, layers, handles)
     for i, layer in enumerate(layers):
         handles.append(layer.register_forward_hook(keep("residual", i)))
         for kind, attr in (("attention", "self_attn"), ("ffn", "mlp")):
@@ -417,26 +366,6 @@ def _attention_impl(inner):
         if impl is not None and type(impl).__name__.endswith("Impl"):
             return type(impl).__name__
     return None
-
-
-def rank_scale_kv_cache(worker, factor):
-    """Tests only (GGUFCHECK_VLLM_FAULT=stale_prefix_cache): every KV cache block scaled, as a
-    cache whose kept blocks went stale; the next request's new blocks are written afresh."""
-    import torch
-
-    def scale(x):
-        if isinstance(x, torch.Tensor):
-            x.mul_(factor)
-        elif isinstance(x, (list, tuple)):
-            for y in x:
-                scale(y)
-
-    runner = getattr(worker, "model_runner", None)
-    caches = getattr(runner, "kv_caches", None)
-    if caches is None:
-        raise RuntimeError("no kv_caches on this vLLM worker's model runner")
-    scale(caches)
-    return True
 
 
 def rank_capture(worker, on, layers):
@@ -768,8 +697,6 @@ class Driver:
         if mode == "cached":  # the first ``chunk`` tokens of each sequence cached by a request of their own
             for s in seqs:
                 self._run([s[:int(req["chunk"])]], 1)
-            if os.environ.get("GGUFCHECK_VLLM_FAULT") == "stale_prefix_cache":
-                self.llm.collective_rpc(rank_scale_kv_cache, args=(0.5,))  # tests only
         self.llm.collective_rpc(rank_capture, args=(True, layers))
         try:
             generated = []
