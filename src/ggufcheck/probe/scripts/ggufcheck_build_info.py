@@ -107,3 +107,74 @@ def llama_cpp_build(package_dir: str) -> dict:
                        "runtime_major": runtime.rsplit(".", 1)[-1] if runtime and runtime[-1].isdigit() else None,
                        "toolkit": toolkit_release(cuda)}
     return out
+
+
+# vLLM's compiled ops are built against one torch: its wheel pins that release exactly
+VERSION_ASSIGN = re.compile(r"""^(__version__|__commit_id__)\s*=.*?=\s*(['"])(.*?)\2""", re.M)
+
+
+def vllm_build(package_dir: str) -> dict:
+    """The build facts of the ``vllm`` package at ``package_dir``, read from its files without
+    importing it: version and commit (``_version.py``), the distribution it came from and the
+    torch release its wheel pins (``Requires-Dist: torch==X`` whose marker holds here), the torch
+    installed beside it, and its compiled ops (``_C*.so``): the CUDA libraries they link and the
+    toolkit release they record."""
+    from importlib import metadata
+
+    out: dict = {"package_dir": package_dir, "version": None, "commit": None, "dist": None,
+                 "torch_pinned": None, "torch_installed": None, "extensions": [], "cuda": None}
+    version_file = os.path.join(package_dir, "_version.py")
+    if os.path.isfile(version_file):
+        with open(version_file, encoding="utf-8", errors="replace") as f:
+            for key, _q, value in VERSION_ASSIGN.findall(f.read()):
+                out["version" if key == "__version__" else "commit"] = value or None
+    dists = metadata.packages_distributions().get("vllm") or []
+    for name in dists:
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        out["dist"] = f"{dist.metadata['Name']} {dist.version}"
+        out["torch_pinned"] = _pinned("torch", dist.requires or [])
+        break
+    try:
+        out["torch_installed"] = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        pass
+    ops = sorted(n for n in os.listdir(package_dir) if re.fullmatch(r"_C\w*\.(abi3\.)?so|_C\w*\.cpython.*\.so", n))
+    out["extensions"] = ops
+    for name in ops:
+        path = os.path.join(package_dir, name)
+        links = needed(path)
+        runtime = next((n for n in links if n.startswith("libcudart.so")), None)
+        if runtime:
+            out["cuda"] = {"file": name, "needed": [n for n in links if "cu" in n], "runtime": runtime,
+                           "runtime_major": runtime.rsplit(".", 1)[-1] if runtime[-1].isdigit() else None,
+                           "toolkit": toolkit_release(path)}
+            break
+    return out
+
+
+def _pinned(package: str, requires: list[str]) -> str | None:
+    """The exact release ``requires`` pins ``package`` to on this machine (``==X`` whose
+    environment marker holds; packaging evaluates markers where it is installed, else only an
+    unmarked pin counts), or None."""
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:
+        Requirement = None
+    for line in requires:
+        if Requirement is not None:
+            try:
+                req = Requirement(line)
+            except Exception:  # noqa: BLE001 - a line packaging cannot read is skipped
+                continue
+            if req.name != package or (req.marker is not None and not req.marker.evaluate({"extra": ""})):
+                continue
+            pins = [s.version for s in req.specifier if s.operator == "=="]
+        else:
+            m = re.fullmatch(rf"{package}\s*==\s*([^\s;]+)", line.strip())
+            pins = [m.group(1)] if m else []
+        if pins:
+            return pins[0]
+    return None

@@ -233,6 +233,11 @@ def main() -> None:
                 emit({"type": "build", "package": name, **build_info.llama_cpp_build(directory)})
             except Exception as exc:  # noqa: BLE001 - a file it cannot read is an answer too
                 emit({"type": "build", "package": name, "error": exception_text(exc)})
+        if name == "vllm" and directory:  # which torch its compiled ops were built against
+            try:
+                emit({"type": "build", "package": name, **build_info.vllm_build(directory)})
+            except Exception as exc:  # noqa: BLE001 - a file it cannot read is an answer too
+                emit({"type": "build", "package": name, "error": exception_text(exc)})
     emit({"type": "done"})
 
 
