@@ -53,6 +53,7 @@ def test_healthy_llama_cpp_passes_every_path(llama, sequences, llama_tables):
     assert by["paths.chunked_prefill[4]"].status == Status.PASS
     assert by["paths.batch_invariance"].status == Status.SKIP  # with the adapter's reason
     assert "one sequence" in by["paths.batch_invariance"].message
+    assert "paths.cold_prefill" not in by  # its score prefills in one batch already
     assert len(gens) == 1 and len(gens[0].generated) == 5
 
 
@@ -332,3 +333,58 @@ def test_decode_faults_are_named_at_their_layer_and_block():
         matrices = v.evidence["stats"]["localized"]["matrices"]
         assert set(matrices) == {"F32"} and all(m.startswith(prefix) for m in matrices["F32"]), matrices
         assert "matrix-vector kernels" in v.message and f"{prefix}" in v.message, v.message
+
+
+# ------------------------------------------- a stepwise engine's batched prefill, asked cold
+def test_a_stepwise_engine_has_its_cold_prefill_judged_and_the_wrong_path_named():
+    """An engine whose score steps one token at a time through its prompt cache (llama-server)
+    has rows requested cold (checks.paths.check_cold_prefill). Which path is over the reference
+    names the component: the cold prefill -> prefill, the steps -> decode; both fine -> PASS.
+    (The real server with a real prefill-only kernel defect: tests/engines/test_llama_server.py.)"""
+    from ggufcheck.checks.logits import LogitTolerance
+    from ggufcheck.checks.paths import check_cold_prefill
+    from ggufcheck.engines.base import Capabilities, Engine
+
+    rng = np.random.default_rng(3)
+    vocab, n = 48, 24
+    prompts = [list(rng.integers(0, vocab, n)) for _ in range(3)]
+    ref = {tuple(p): log_softmax(rng.normal(0, 2.0, (n, vocab))) for p in prompts}
+    table = lambda toks, lp: TokenLogprobs(toks, vocab, lp.astype(np.float32))  # noqa: E731
+
+    class Stepwise(Engine):
+        name, vocab_size = "stepwise", vocab
+        capabilities = Capabilities(score=True, stepwise_score=True)
+
+        def __init__(self, steps_noise=0.0, cold_noise=0.0):
+            self.noise = {"steps": steps_noise, "cold": cold_noise}
+            self.asked = []
+
+        def _rows(self, tokens, which):
+            lp = ref[tuple(tokens)]
+            noise = np.random.default_rng(len(self.asked)).normal(0, self.noise[which], lp.shape)
+            return log_softmax(lp + noise)
+
+        def score(self, tokens, *, top_k=20):
+            return table(tokens, self._rows(list(tokens), "steps"))
+
+        def score_cold(self, tokens, rows, *, top_k=20):
+            self.asked.append(list(rows))
+            present = np.zeros(len(tokens), dtype=bool)
+            present[list(rows)] = True
+            return TokenLogprobs(list(tokens), vocab, self._rows(list(tokens), "cold").astype(np.float32),
+                                 present=present)
+
+    def judge(engine):
+        singles = [engine.score(p) for p in prompts]
+        return check_cold_prefill(engine, prompts, singles, Q8, PathOptions(tolerance=LogitTolerance()),
+                                  reference_score=lambda toks: table(list(toks), ref[tuple(int(t) for t in toks)]))
+
+    healthy = Stepwise(0.02, 0.02)
+    ok = judge(healthy)
+    assert ok.status is Status.PASS and ok.stats["kl"]["n"] == 12, ok.message  # each quarter's last row
+    assert healthy.asked == [[5, 11, 17, 23]] * 3
+    cold = judge(Stepwise(0.02, 1.5))
+    assert cold.failed and cold.component == "prefill" and "the cold prefill over it" in cold.message
+    steps = judge(Stepwise(1.5, 0.02))
+    assert steps.failed and steps.component == "decode", steps.message
+    assert "the one-token steps through the prompt cache over it" in steps.message

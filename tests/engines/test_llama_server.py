@@ -1,10 +1,12 @@
 """``--engine llama-server``: llama.cpp's own server, started by ggufcheck and judged over HTTP.
 
 The binary is built from the same llama.cpp source as the tests' defect library
-(testing/llama_cpp_build.py: ``flash-attn-scale`` and ``q4_k-gemv-min``, each reached only
-by its own path): with flash attention off and a Q8_0 model neither defect is reached and the
-server must be healthy; with llama-server's default flash attention on, the flash-attention
-defect makes the served comparison fail and the switch stage names ``flash_attn=0``. The chat
+(testing/llama_cpp_build.py: ``flash-attn-scale``, ``iq4_nl-gemm-table`` and ``q4_k-gemv-min``,
+each reached only by its own path): with flash attention off and a Q8_0 model no defect is
+reached and the server must be healthy; with llama-server's default flash attention on, the
+flash-attention defect makes the served comparison fail and the switch stage names
+``flash_attn=0``; an IQ4_NL model reaches the matrix-matrix defect, which only a batched prefill
+takes: the stepwise teacher forcing is healthy and the cold prefill check names it. The chat
 template check compares the tokens the server feeds for a chat (``/apply-template`` +
 ``/tokenize``) with the file's template rendered in the sandbox.
 """
@@ -45,12 +47,35 @@ def test_a_healthy_server_is_healthy_and_stops_with_the_run(server_bin, tiny_ggu
     model = tiny_gguf("llama", qtypes="Q8_0", seed=2).path
     d = diagnose(_options(model, engine=f"llama-server:bin={server_bin},flash_attn=0"))
     assert d.verdict.healthy, d.verdict.message
+    cold = _result(d, "paths.cold_prefill")  # the batched prefill, asked with the prompt cache off
+    assert cold.status.value == "PASS" and cold.stats["kl"]["n"] >= 4, cold.message
     assert d.engine["process"] == "llama-server" and "-fa off" in d.engine["command"]
     import os
 
     pid = d.engine["pid"]
     with pytest.raises(ProcessLookupError):  # the server is gone with the run
         os.kill(pid, 0)
+
+
+def _result(d, check):
+    return next(r for s in d.stages for r in s.results if r.check == check)
+
+
+def test_a_defect_only_a_batched_prefill_reaches_is_named_prefill(server_bin, tiny_gguf):
+    """llama-server's teacher forcing steps one token at a time through its prompt cache (the
+    matrix-vector kernels, healthy here): the logits stage passes. The rows requested cold
+    (one batched prefill each) take the broken IQ4_NL matrix-matrix kernel."""
+    from ggufcheck.diagnose.plan import diagnose
+
+    model = tiny_gguf("llama", qtypes="IQ4_NL", seed=2).path
+    d = diagnose(_options(model, engine=f"llama-server:bin={server_bin},flash_attn=0"))
+    logits = [r for s in d.stages for r in s.results if r.check.startswith("logits.")]
+    assert logits and not any(r.failed for r in logits), [r.message for r in logits if r.failed]
+    cold = _result(d, "paths.cold_prefill")
+    assert cold.failed and cold.component == "prefill", cold.message
+    facts = cold.stats["against_reference"]
+    assert not facts["the cold prefill"]["ok"] and facts["the one-token steps through the prompt cache"]["ok"]
+    assert not d.verdict.healthy and d.verdict.component == "prefill", d.verdict.message
 
 
 def test_the_flash_attention_defect_is_named_by_flipping_flash_attn(server_bin, tiny_gguf):

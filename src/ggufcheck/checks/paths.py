@@ -394,6 +394,45 @@ def check_prefix_cache(engine: Engine, sequence: Sequence[int], cold: TokenLogpr
     return result.amended("", stats={"cached_positions": hit, "computed_positions": computed})
 
 
+def check_cold_prefill(engine: Engine, prompts: Sequence[Sequence[int]], singles: Sequence[TokenLogprobs],
+                       baseline: Baseline, options: PathOptions, ambiguity: Ambiguity | None = None,
+                       reference_score: ReferenceScore | None = None,
+                       reference_baseline: ReferenceBaseline | None = None) -> Result:
+    """An engine whose score is stepwise (llama-server: every row a one-token step through the
+    prompt cache) never runs its batched prefill there: rows of the same prompts requested cold
+    (the cache off, each row the last of one prefill from position 0) against the engine's own
+    stepwise rows, at the end of each quarter of each prompt (:func:`cold_rows`). A failing pair is judged path by path
+    against the reference: the cold prefill over it is ``prefill``, the stepwise rows over it
+    (the one-token kernels reading the prompt cache) ``decode``."""
+    check = "paths.cold_prefill"
+    pairs = []
+    for prompt, single in zip(prompts, singles):
+        n = len(prompt)
+        if n < 2:
+            continue
+        cold = engine.score_cold(list(prompt), cold_rows(n), top_k=options.top_k)
+        pairs.append((mark_ambiguous(cold, ambiguity), single))
+    if not pairs:
+        return skipped(check, "prefill", "no prompt of two tokens or more")
+    rows = sum(int(c.present.sum()) for c, _ in pairs)
+    names = ("the cold prefill", "the one-token steps through the prompt cache")
+    result = _pair_verdict(check, "prefill", f"{rows} rows from cold requests (a prefill from position 0 in one batch) "
+                                             "vs the same rows as one-token steps through the prompt cache",
+                           pairs, baseline, options.tolerance)
+    result = _each_within_reference(result, pairs, reference_score, baseline, options.tolerance, names,
+                                    reference_baseline)
+    over = {name for name, fact in result.stats.get("against_reference", {}).items() if not fact["ok"]}
+    if result.failed and over == {names[1]}:  # the prefill agrees with the reference; the steps do not
+        result = replace(result, component="decode")
+    return result
+
+
+def cold_rows(n: int) -> list[int]:
+    """The rows of an n-token prompt the cold-prefill check asks for: the last row of each
+    quarter (each a prefill of that many tokens: about 2.5 n tokens in all)."""
+    return sorted({max(0, (n * q) // 4 - 1) for q in (1, 2, 3, 4)})
+
+
 def check_batch_invariance(engine: Engine, prompts: Sequence[Sequence[int]], singles: Sequence[TokenLogprobs],
                            baseline: Baseline, options: PathOptions, ambiguity: Ambiguity | None = None) -> Result:
     caps = engine.capabilities
@@ -559,7 +598,10 @@ def run_paths(engine: Engine, prompts: Sequence[Sequence[int]], singles: Sequenc
               "paths.decode_layers": "the decode layer by layer", "paths.batch_invariance": "batch invariance",
               "paths.determinism": "determinism", "paths.chunked_prefill": "chunked prefill",
               "paths.past_indexer_top_k": "decode past the indexer's top-k",
-              "paths.prefix_cache": "a request whose prefix is cached"}
+              "paths.prefix_cache": "a request whose prefix is cached",
+              "paths.cold_prefill": "a cold prefill vs the prompt cache's steps"}
+    if not engine.capabilities.stepwise_score:  # score() already prefills in one batch
+        del labels["paths.cold_prefill"]
 
     def attempt(check: str, component: str, run):
         say(f"paths {list(labels).index(check) + 1}/{len(labels)}: {labels[check]}")
@@ -597,4 +639,8 @@ def run_paths(engine: Engine, prompts: Sequence[Sequence[int]], singles: Sequenc
                            lambda: check_prefix_cache(engine, seq, mark_ambiguous(
                                cold if cold is not None else engine.score(seq, top_k=options.top_k), ambiguity),
                                baseline, options)))
+    if "paths.cold_prefill" in labels:
+        results.append(attempt("paths.cold_prefill", "prefill",
+                               lambda: check_cold_prefill(engine, prompts, singles, baseline, options, ambiguity,
+                                                          reference_score, reference_baseline)))
     return results, generations

@@ -113,6 +113,10 @@ class Capabilities:
     # (the weights audit expects an expert whole, on exactly one rank)
     expert_parallel: bool = False
     max_sequence: int | None = None  # the longest sequence the engine takes (its context), if known
+    # score() computes each row as a one-token step through the engine's prompt cache, not by a
+    # prefill of the sequence in one batch (llama-server's dialect: it returns no prompt
+    # log-probs): the batched prefill kernels are then reached only by score_cold
+    stepwise_score: bool = False
     # the engine's prompt micro-batch (llama.cpp n_ubatch): a prompt longer than this is
     # processed in pieces, a length landmark of the prefill sweep (checks.lengths)
     prefill_micro_batch: int | None = None
@@ -373,6 +377,13 @@ class Engine(abc.ABC):
         engine's prefix cache on: rows computed from the cached KV blocks (``present`` marks
         the rows the engine computed; a cache hit leaves the cached ones out)."""
         raise Unsupported(f"{self.name} has no prefix cache ggufcheck can exercise")
+
+    def score_cold(self, tokens: Sequence[int], rows: Sequence[int], *, top_k: int = 20) -> TokenLogprobs:
+        """Rows ``rows`` of ``tokens``, each the last row of a request for the tokens up to it
+        with the engine's prompt cache off: one prefill of that prefix in one batch, from
+        position 0 (``present`` marks the rows asked). For an engine whose :meth:`score` is
+        stepwise (Capabilities.stepwise_score), the path its score does not take."""
+        raise Unsupported(f"{self.name} has no cold prefill ggufcheck can request apart from score")
 
     def decode_layer_outputs(self, tokens: Sequence[int], prompt_length: int,
                              kinds: Sequence[str] = LAYER_KINDS) -> LayerTrace:

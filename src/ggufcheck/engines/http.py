@@ -239,7 +239,8 @@ class HttpEngine(Engine):
                                 "restart it with another size and compare two runs", **no_internals))
         why_batch = ("llama-cpp-python's server scores one prompt per request" if self.kind == "llama-cpp-python"
                      else "llama-server's /completion takes one prompt per request here")
-        return Capabilities(**common, batch=False, chunked_prefill=False, reasons=reasons(
+        return Capabilities(**common, batch=False, chunked_prefill=False, stepwise_score=self.kind == "llama-server",
+                            reasons=reasons(
             batch=why_batch, chunked_prefill="the prefill chunk size is fixed at server start (n_batch)",
             **no_internals))
 
@@ -458,7 +459,33 @@ class HttpEngine(Engine):
                 ids[t, j], vals[t, j] = tid, value
         return TokenLogprobs(tokens, self.vocab_size, topk_ids=ids, topk_logprobs=vals)
 
-    def _llama_server_step(self, prefix: list[int], k: int) -> list[tuple[int, float]]:
+    def score_cached(self, tokens: Sequence[int], cached: int, *, top_k: int = 20) -> TokenLogprobs:
+        if self.kind == "llama-server":
+            raise Unsupported("every row llama-server scores here is a request whose prefix its prompt cache holds: "
+                              "paths.cold_prefill compares them with cold requests")
+        return super().score_cached(tokens, cached, top_k=top_k)
+
+    def score_cold(self, tokens: Sequence[int], rows: Sequence[int], *, top_k: int | None = None) -> TokenLogprobs:
+        """llama-server: each of ``rows`` from a request for the tokens up to it with
+        ``cache_prompt: false``, which makes the slot start again from position 0 (server-
+        context.cpp: ``n_past = 0``): the row is the last of one batched prefill of that prefix.
+        :meth:`score` reads every row as a one-token step through the prompt cache instead."""
+        if self.kind != "llama-server":
+            raise Unsupported(f"{self.kind}'s score already prefills each sequence in one request")
+        tokens = [int(t) for t in tokens]
+        k = min(top_k or self.options.top_k, self.options.top_k)
+        n = len(tokens)
+        ids = np.full((n, k), -1, dtype=np.int64)
+        vals = np.full((n, k), -np.inf)
+        present = np.zeros(n, dtype=bool)
+        with _context_refusal_is_unsupported(n):
+            for t in sorted({int(r) for r in rows}):
+                for j, (tid, value) in enumerate(self._llama_server_step(tokens[: t + 1], k, cache=False)[:k]):
+                    ids[t, j], vals[t, j] = tid, value
+                present[t] = True
+        return TokenLogprobs(tokens, self.vocab_size, topk_ids=ids, topk_logprobs=vals, present=present)
+
+    def _llama_server_step(self, prefix: list[int], k: int, *, cache: bool = True) -> list[tuple[int, float]]:
         """The top-k of the distribution after ``prefix`` ([(id, logprob)]), from one token.
 
         llama-server leaves a sampled token out of ``completion_probabilities`` while the text
@@ -470,7 +497,7 @@ class HttpEngine(Engine):
         """
         banned: list[int] = []
         for _ in range(PARTIAL_PIECE_RETRIES + 1):
-            body = {"prompt": prefix, "n_predict": 1, "n_probs": k, "temperature": 0.0, "cache_prompt": True,
+            body = {"prompt": prefix, "n_predict": 1, "n_probs": k, "temperature": 0.0, "cache_prompt": cache,
                     "samplers": ["top_k"], "top_k": 1, "return_tokens": True}
             if banned:
                 body["logit_bias"] = [[t, False] for t in banned]

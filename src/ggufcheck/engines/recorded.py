@@ -40,7 +40,7 @@ MANIFEST = "run.json"
 CALLS = "calls.jsonl"
 # the engine calls a run saves (the Engine interface's, and the optional chat_tokens)
 RECORDED = ("tokenize", "detokenize", "score", "score_batch", "score_chunked", "generate", "layer_outputs",
-            "chunked_layer_outputs", "score_cached", "decode_layer_outputs", "mtp_outputs", "mtp_drafts",
+            "chunked_layer_outputs", "score_cached", "score_cold", "decode_layer_outputs", "mtp_outputs", "mtp_drafts",
             "chat_tokens")
 NO_WEIGHTS = ("a saved run holds no loaded weights (they are the model's size): the weights audit needs the engine "
               "(rerun diagnose with --engine)")
@@ -214,6 +214,9 @@ class _ByCall(Engine):
 
     def score_cached(self, tokens, cached, *, top_k=20):
         return self._call("score_cached", tokens, cached, top_k=top_k)
+
+    def score_cold(self, tokens, rows, *, top_k=20):
+        return self._call("score_cold", tokens, rows, top_k=top_k)
 
     def decode_layer_outputs(self, tokens, prompt_length, kinds=None):
         return self._call("decode_layer_outputs", tokens, prompt_length,
