@@ -49,6 +49,7 @@ def test_a_healthy_server_is_healthy_and_stops_with_the_run(server_bin, tiny_ggu
     assert d.verdict.healthy, d.verdict.message
     cold = _result(d, "paths.cold_prefill")  # the batched prefill, asked with the prompt cache off
     assert cold.status.value == "PASS" and cold.stats["kl"]["n"] >= 4, cold.message
+    assert "judged by paths.cold_prefill" in _result(d, "paths.prefill_vs_decode").message
     assert d.engine["process"] == "llama-server" and "-fa off" in d.engine["command"]
     import os
 

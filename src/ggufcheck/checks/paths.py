@@ -301,6 +301,9 @@ def check_prefill_vs_decode(engine: Engine, prompts: Sequence[Sequence[int]], ba
                                     ("the prefill", "the decode"), reference_baseline)
     if result.failed and "nonfinite_positions" not in result.stats:
         result = _decode_layers(engine, result, generations)
+    if caps.stepwise_score:  # its teacher forcing takes the decode's one-token path too
+        note += ("; this engine's teacher forcing is itself one-token steps through its prompt cache, so both sides "
+                 "take the decode's kernels here: its batched prefill is judged by paths.cold_prefill")
     return result.amended(note), generations
 
 
