@@ -102,11 +102,7 @@ def llama_cpp_build_results(build: dict, model_types: set[str] | None = None) ->
     text = (f"llama.cpp libraries in {build['lib_dir']}: ggml {build.get('ggml_version') or '?'}{commit}, "
             f"backends {', '.join(build.get('backends') or ['?'])}")
     cuda = build.get("cuda")
-    if cuda:
-        toolkit = cuda.get("toolkit")
-        text += (f"; CUDA runtime {cuda.get('runtime') or '?'}, compiled with nvcc {toolkit}" if toolkit else
-                 f"; CUDA runtime {cuda.get('runtime') or '?'} (the toolkit's exact release is not recorded in "
-                 "plain text in this binary: `nvcc --version` where it was built says it)")
+    text += _cuda_text(cuda)
     out = [passed(check, "environment", text, stats=build)]
     for entry in known_broken("llama.cpp (CUDA)", (cuda or {}).get("toolkit")):
         hit = sorted(set(entry.types) & model_types) if model_types is not None else list(entry.types)
@@ -117,6 +113,16 @@ def llama_cpp_build_results(build: dict, model_types: set[str] | None = None) ->
                           f"; fixed in {entry.fixed}; sources: {', '.join(entry.sources)}",
                           stats={"toolkit": cuda["toolkit"], "types": hit, "sources": list(entry.sources)}))
     return out
+
+
+def _cuda_text(cuda: dict | None) -> str:
+    """The CUDA part of a build's line (ggufcheck_build_info.cuda_facts), or "" for no CUDA."""
+    if not cuda:
+        return ""
+    toolkit = cuda.get("toolkit")
+    return (f"; CUDA runtime {cuda.get('runtime') or '?'}, compiled with nvcc {toolkit}" if toolkit else
+            f"; CUDA runtime {cuda.get('runtime') or '?'} (the toolkit's exact release is not recorded in "
+            "plain text in this binary: `nvcc --version` where it was built says it)")
 
 
 # vLLM's install guide: its compiled kernels are binary-compatible with the one torch build
@@ -134,11 +140,7 @@ def vllm_build_results(build: dict) -> list[Result]:
     commit = f" (commit {build['commit']})" if build.get("commit") else ""
     text = (f"vLLM {build.get('version') or '?'}{commit} from {build.get('dist') or 'an unknown distribution'} "
             f"in {build['package_dir']}; compiled ops {', '.join(build.get('extensions') or []) or 'none found'}")
-    cuda = build.get("cuda")
-    if cuda:
-        text += (f"; CUDA runtime {cuda.get('runtime') or '?'}"
-                 + (f", compiled with nvcc {cuda['toolkit']}" if cuda.get("toolkit") else
-                    " (the toolkit's exact release is not recorded in plain text)"))
+    text += _cuda_text(build.get("cuda"))
     pinned, installed = build.get("torch_pinned"), build.get("torch_installed")
     if pinned:
         text += f"; built against torch {pinned} (the wheel's pin), torch {installed or '?'} installed"

@@ -101,12 +101,18 @@ def llama_cpp_build(package_dir: str) -> dict:
     out["ggml_commit"] = ggml_commit(lib_dir)
     cuda = os.path.join(lib_dir, "libggml-cuda.so")
     if os.path.isfile(cuda):
-        links = needed(cuda)
-        runtime = next((n for n in links if n.startswith("libcudart.so")), None)
-        out["cuda"] = {"needed": [n for n in links if "cu" in n], "runtime": runtime,
-                       "runtime_major": runtime.rsplit(".", 1)[-1] if runtime and runtime[-1].isdigit() else None,
-                       "toolkit": toolkit_release(cuda)}
+        out["cuda"] = cuda_facts(cuda)
     return out
+
+
+def cuda_facts(path: str) -> dict:
+    """The CUDA libraries a binary links (DT_NEEDED), its CUDA runtime and that runtime's major
+    release, and the toolkit release it records in plain text (None where it does not)."""
+    links = needed(path)
+    runtime = next((n for n in links if n.startswith("libcudart.so")), None)
+    return {"needed": [n for n in links if "cu" in n], "runtime": runtime,
+            "runtime_major": runtime.rsplit(".", 1)[-1] if runtime and runtime[-1].isdigit() else None,
+            "toolkit": toolkit_release(path)}
 
 
 # vLLM's compiled ops are built against one torch: its wheel pins that release exactly
@@ -143,14 +149,10 @@ def vllm_build(package_dir: str) -> dict:
         pass
     ops = sorted(n for n in os.listdir(package_dir) if re.fullmatch(r"_C\w*\.(abi3\.)?so|_C\w*\.cpython.*\.so", n))
     out["extensions"] = ops
-    for name in ops:
+    for name in ops:  # the first op library linking a CUDA runtime (a CPU build: none)
         path = os.path.join(package_dir, name)
-        links = needed(path)
-        runtime = next((n for n in links if n.startswith("libcudart.so")), None)
-        if runtime:
-            out["cuda"] = {"file": name, "needed": [n for n in links if "cu" in n], "runtime": runtime,
-                           "runtime_major": runtime.rsplit(".", 1)[-1] if runtime[-1].isdigit() else None,
-                           "toolkit": toolkit_release(path)}
+        if any(n.startswith("libcudart.so") for n in needed(path)):
+            out["cuda"] = {"file": name, **cuda_facts(path)}
             break
     return out
 
