@@ -82,5 +82,17 @@ def test_the_reference_knows_each_weights_stored_type(tiny_gguf):
 def test_f16_weights_round_matmul_outputs_on_cuda_only(tiny_gguf):
     path = tiny_gguf("llama", qtypes="F16").path
     assert rounding(path, F16_CACHE) == {"activations": "f16", "kv": "f16"}
-    assert gpu_rounding(path, F16_CACHE) == {"activations": "f16", "outputs": "f16", "kv": "f16"}
+    assert gpu_rounding(path, F16_CACHE) == {"activations": "f16", "outputs": "f16", "kv": "f16", "float_sums": "cuda"}
     assert "kv" not in rounding(path, SimpleNamespace(type_k=0, type_v=0))  # an F32 cache does not round
+
+
+def test_unquantized_matmul_weights_take_the_tensor_core_paths_on_cuda(tiny_gguf):
+    """F32 / F16 layer weights or head: ggml-cuda's TF32 and cuBLAS-F16 paths are stated
+    (precision.Emulation.float_form); a quantized file whose only F32 tensors are norms is not."""
+    f32 = tiny_gguf("llama", qtypes="F32").path
+    assert gpu_rounding(f32, F16_CACHE) == {"kv": "f16", "float_sums": "cuda"}
+    assert "float_sums" not in rounding(f32, F16_CACHE)
+    q8 = tiny_gguf("llama", qtypes="Q8_0").path
+    assert "float_sums" not in gpu_rounding(q8, F16_CACHE)
+    mixed = tiny_gguf("llama", qtypes={"output": "F16", "default": "Q8_0"}).path
+    assert gpu_rounding(mixed, F16_CACHE)["float_sums"] == "cuda"

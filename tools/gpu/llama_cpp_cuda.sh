@@ -5,7 +5,7 @@
 #
 # Stage first, here: bash tools/gpu/stage_llama_cpp.sh   (fills the git-ignored .gpu/)
 # Device call:       bash tools/gpu/llama_cpp_cuda.sh [STEPS]   with carry [".gpu"]
-#   STEPS: comma-separated subset of build,defectq5k,provenance,arith,arithmore,f16moe,f16dense,switches,probe,matrix,matrix2,matrix3,lead,chunklead,families,hfprof,recheck,
+#   STEPS: comma-separated subset of build,defectq5k,floatpaths,coldserver,provenance,arith,arithmore,f16moe,f16dense,switches,probe,matrix,matrix2,matrix3,lead,chunklead,families,hfprof,recheck,
 #          recheck2,real,realquick,realhttp,reallead,oplead,envtime,server,
 #          oldlead,hf (default: build,probe,matrix,lead,server,oldlead,hf)
 # Writes $OUT/log.txt-style logs per step, $OUT/results.tgz, and on a fresh build the
@@ -271,6 +271,32 @@ fi
 if has f16dense; then  # F16 dense prefill 10.7x its stated arithmetic at width 1024 (2026-12-07, unexplained): cuBLAS compute type?
   for v in "" ",cublas_f32=1" ",n_batch=8"; do
     TAILN=14 step 60 "f16dense$v" python3 -m ggufcheck quants --width 1024 --types F16,BF16,F32 --engine "llama-cpp:n_gpu_layers=99$v" --json "$W/f16dense$v.json"
+  done
+fi
+
+if has floatpaths; then  # issue 36 item 1: F32 / F16 weights against the stated tensor-core paths (float_sums cuda:
+  # TF32 operands past 3 tokens, cuBLAS's F16 compute type past 16), then the same with cuBLAS in f32 (the emulation
+  # then over-states the F16 prefill: that row should read well under 1x) and the F16 experts
+  TAILN=16 step 75 fp-1024 python3 -m ggufcheck quants --width 1024 --types F16,BF16,F32 --engine llama-cpp:n_gpu_layers=99 --json $W/fp-1024.json
+  TAILN=16 step 60 fp-256 python3 -m ggufcheck quants --types F16,BF16,F32 --engine llama-cpp:n_gpu_layers=99 --json $W/fp-256.json
+  TAILN=16 step 75 fp-1024-cublas32 python3 -m ggufcheck quants --width 1024 --types F16,F32 --engine llama-cpp:n_gpu_layers=99,cublas_f32=1 --json $W/fp-1024-cublas32.json
+  TAILN=16 step 60 fp-moe python3 -m ggufcheck quants --arch qwen3moe --types F16,F32,Q8_0 --engine llama-cpp:n_gpu_layers=99 --json $W/fp-moe.json
+fi
+
+if has coldserver; then  # issue 37 item 2 on CUDA: llama-server -ngl 99, its batched prefill (paths.cold_prefill) vs its steps
+  python3 - <<'EOF2'
+from ggufcheck.synthetic.tiny import build_tiny_gguf as b
+for q in ("Q4_K", "Q8_0", "F16"):
+    b("llama", f"/tmp/l20/models/cs-{q}.gguf", seed=3, qtypes=q, n_embd=256, head_dim=64, n_ff=512)
+b("deepseek2", "/tmp/l20/models/cs-ds2-Q4_K.gguf", seed=3, qtypes="Q4_K", n_embd=256, n_ff_exp=256, n_ff=512)
+EOF2
+  for m in cs-Q4_K cs-Q8_0 cs-F16 cs-ds2-Q4_K; do
+    $B/bin/llama-server -m $W/models/$m.gguf -ngl 99 --host 127.0.0.1 --port 8094 -c 4096 -np 1 > $W/server-$m.log 2>&1 &
+    SP=$!
+    for i in $(seq 60); do curl -sf 127.0.0.1:8094/health >/dev/null && break; sleep 0.5; done
+    TAILN=6 step 70 cold-$m python3 -m ggufcheck diagnose $W/models/$m.gguf --no-sanity --no-kernels --engine "http://127.0.0.1:8094?backend=cuda" --json $W/cold-$m.json
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print('  ', r['check'], r['status'], r.get('message','')[:240]) for s in d['stages'] for r in s.get('results',[]) if r['check'].startswith('paths.')]" $W/cold-$m.json
+    kill $SP; wait $SP 2>/dev/null
   done
 fi
 

@@ -140,7 +140,8 @@ def gpu_rounding(model_path: str | Path, params: Any) -> dict[str, str]:
     IQ1_S, and Q2_K with sums of 16 and scales of 64), on a decode step the matrix-vector
     kernels' (``decode_block_sums`` ``cuda-mmvq``: Q4_0, Q5_0, Q4_1, Q5_1, IQ1_S); reference/
     precision.py SUMS_FORMS, docs/real-world-cases.md case 4. F16 / BF16 weights' matmuls in
-    f16 / bf16 (cuBLAS); the KV cache as on CPU."""
+    f16 / bf16; F32 and F16 weights on the tensor cores past a few tokens (``float_sums``
+    ``cuda``: TF32 operands, cuBLAS's F16 compute type); the KV cache as on CPU."""
     from ggufcheck.gguf.reader import open_gguf  # not reference.precision: it imports torch, which a
     # CUDA libllama must never meet in its process (engines/isolated.py)
 
@@ -154,11 +155,16 @@ def gpu_rounding(model_path: str | Path, params: Any) -> dict[str, str]:
     with open_gguf(model_path) as model:
         types = {t.qtype.name for t in model.tensors.values() if len(t.ne) >= 2}
         expert_types = {t.qtype.name for name, t in model.tensors.items() if "_exps." in name}
+        head = "output.weight" if "output.weight" in model.tensors else "token_embd.weight"  # tied: the embedding
+        matmuls = {t.qtype.name for name, t in model.tensors.items()
+                   if len(t.ne) >= 2 and (name.startswith("blk.") or name == head)}
     if types & (CUDA_MMQ_SUM_TYPES | CUDA_MMVQ_SUM_TYPES):
         out["block_sums"] = "cuda-mmq"
         out["decode_block_sums"] = "cuda-mmvq"
     if "F16" in expert_types:
         out["decode_unemulated"] = CUDA_F16_EXPERTS_DECODE
+    if matmuls & {"F32", "F16"}:  # TF32 tensor cores / cuBLAS's F16 compute type (precision.Emulation.float_form)
+        out["float_sums"] = "cuda"
     return out
 
 

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ggufcheck.reference.config import ReferenceConfig, YarnConfig
 from ggufcheck.reference.precision import current as current_emulation
-from ggufcheck.reference.precision import gelu_tanh, round_as, unrounded_sums_error
+from ggufcheck.reference.precision import gelu_tanh, linear_f16_sums, round_as, round_tf32, unrounded_sums_error
 from ggufcheck.reference.weights import ExpertStack, RowBlocked
 
 # --- norms ---------------------------------------------------------------------------
@@ -166,6 +166,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     emulation = current_emulation()
     if emulation is None:
         return torch.nn.functional.linear(x, weight, bias)
+    float_form = emulation.float_form(weight)  # ggml-cuda's tensor-core paths for F32 / F16 weights
+    if float_form == "tf32":
+        return torch.nn.functional.linear(round_tf32(x), round_tf32(weight), bias)
+    if float_form == "f16-sums":
+        return linear_f16_sums(x, weight, bias)
     form = emulation.sums_form(weight)  # a CUDA q8_1 form that reads this weight's group offsets
     kind = emulation.activations
     if form is not None and form.scale_block == 64 and kind in ("q8_0", "q8_k"):

@@ -23,7 +23,15 @@ being judged, and its error against fp64 becomes that run's expected error:
   and Q2_K with sums per 16 values and activation scales per 64), ``cuda-mmvq`` (the
   matrix-vector kernels of a decode step: Q4_0, Q5_0, Q4_1, Q5_1, IQ1_S), ``unrounded`` (Q4_1 /
   Q5_1 only: the form both share). ``decode_block_sums`` names the decode path's form where
-  it differs from the prefill's (:meth:`Emulation.on_decode`).
+  it differs from the prefill's (:meth:`Emulation.on_decode`);
+- ``float_sums`` ``cuda``: how llama.cpp's CUDA backend multiplies unquantized weights on
+  NVIDIA GPUs with tensor cores (Ampere and later), by the forward's token count
+  (:meth:`Emulation.float_form`, from ggml-cuda's dispatch): F32 weights in a forward of more
+  than 3 tokens on TF32 tensor cores (operands with 10-bit mantissas: the mmf kernels' tf32
+  mma, and cuBLAS, whose every handle ggml-cuda creates with ``CUBLAS_TF32_TENSOR_OP_MATH``);
+  F16 weights in a forward of more than 16 tokens in cuBLAS with an F16 compute type
+  (``CUBLAS_COMPUTE_16F``: half-precision sums, each 16-product step of the tensor cores
+  rounded to f16, and an f16 result). Fewer tokens take ggml's own kernels with f32 sums.
 
 It is an emulation of the rounding's size, not of the engine's exact arithmetic, so the
 diagnosis only ever widens a stated allowance with it (checks.compare.combined_baseline),
@@ -61,6 +69,13 @@ class SumsForm:
 
 
 _LEGACY = SumsForm()
+# ggml-cuda's column limits for unquantized weights on NVIDIA Ampere and later (mmvf.cu
+# ggml_cuda_should_use_mmvf: F32 ``ne11 <= 3``; mmf.cu ggml_cuda_should_use_mmf: ``src1_ncols > 16``
+# goes to cuBLAS) and the K of one f16 tensor-core step (mma m16n8k16), after which cuBLAS's
+# F16 compute type rounds its running sum
+CUDA_F32_VECTOR_MAX = 3
+CUDA_MMF_MAX = 16
+F16_SUM_STEP = 16
 # from ggml-cuda (llama.cpp, ggml 0.25): vecdotq.cuh's vec_dot_*_q8_1 for the matrix-vector
 # kernels (q4_0: ``d4 * (sumi * ds8.x - 8 * ds8.y)``; the K-quants' mmvq forms sum the rounded
 # values with dp4a), mmq.cuh's layouts (mmq_get_q8_1_ds_layout: DS4 for Q4_1 / Q5_1 / Q4_K /
@@ -94,6 +109,10 @@ class Emulation:
     # (llama.cpp CUDA: F16 routed experts' one-token products in cuBLAS with an F16 compute
     # type): the decode is then judged by its class allowance alone, and says why
     decode_unemulated: str | None = None
+    # "cuda": unquantized weights as ggml-cuda multiplies them (float_form); None: exact
+    float_sums: str | None = None
+    # the token count of the forward being emulated (for_batch), which picks ggml-cuda's kernel
+    tokens: int | None = None
 
     def describe(self) -> str:
         parts = [f"{what} {kind}" for what, kind in (("activations", self.activations),
@@ -101,7 +120,8 @@ class Emulation:
                                                        ("KV cache", self.kv),
                                                        ("GELU", self.gelu),
                                                        ("block sums", self.block_sums),
-                                                       ("decode block sums", self.decode_block_sums)) if kind]
+                                                       ("decode block sums", self.decode_block_sums),
+                                                       ("float matmuls", self.float_sums)) if kind]
         return ", ".join(parts) or "nothing"
 
     def on_decode(self) -> "Emulation":
@@ -113,7 +133,24 @@ class Emulation:
     def for_batch(self, tokens: int) -> "Emulation":
         """The emulation of a forward over ``tokens`` tokens at once: a small batch computes
         as a decode step does (the matrix-vector kernels)."""
-        return self.on_decode() if tokens <= self.decode_batch_max else self
+        return replace(self.on_decode() if tokens <= self.decode_batch_max else self, tokens=tokens)
+
+    def float_form(self, weight) -> str | None:
+        """How ``weight`` (tagged ``ggml_type``) is multiplied in this forward where it is not
+        exact: "tf32" (operands rounded to TF32), "f16-sums" (cuBLAS's F16 compute type), None.
+        ggml-cuda (llama.cpp, ggml 0.25) on NVIDIA Ampere and later: ``ggml_cuda_should_use_mmvf``
+        takes F32 weights for at most 3 columns and 2-D F16 ones for one (f32 sums), then
+        ``ggml_cuda_should_use_mmf`` up to 16 columns (tensor cores: tf32 for F32, f16 operands
+        with f32 sums for F16), then ``ggml_cuda_mul_mat_cublas`` (F32: TF32 math; F16:
+        ``CUBLAS_COMPUTE_16F``)."""
+        if self.float_sums != "cuda" or self.tokens is None:
+            return None
+        kind = getattr(weight, "ggml_type", None)
+        if kind == "F32" and self.tokens > CUDA_F32_VECTOR_MAX:
+            return "tf32"
+        if kind == "F16" and self.tokens > CUDA_MMF_MAX:
+            return "f16-sums"
+        return None
 
     def sums_form(self, weight) -> SumsForm | None:
         """How ``weight`` (tagged ``ggml_type`` by the WeightStore) multiplies activation sums here."""
@@ -139,6 +176,28 @@ def round_as(x: Tensor, kind: str | None) -> Tensor:
     if kind in ("q8_0", "q8_64"):  # ggml keeps the Q8_0 scale (and CUDA's D2S6 one) in f16
         safe = safe.to(torch.float16).to(x.dtype)
     return (q * safe).reshape(x.shape)
+
+
+def round_tf32(x: Tensor) -> Tensor:
+    """``x`` with its float32 mantissa rounded to TF32's 10 bits (to nearest, ties away from
+    zero), back in x's dtype: a tensor core's view of an F32 operand."""
+    bits = x.to(torch.float32).view(torch.int32)
+    rounded = torch.bitwise_and(bits + 0x1000, ~0x1FFF)  # + half of the dropped 13 bits, then cut
+    finite = torch.isfinite(x)
+    return torch.where(finite, rounded.view(torch.float32).to(x.dtype), x)
+
+
+def linear_f16_sums(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x @ weight.T`` as cuBLAS's F16 compute type gives it: operands in f16, the running sum
+    kept in f16 (rounded after every ``F16_SUM_STEP`` products, one tensor-core step), the
+    result in f16. (The bias, added by ggml afterwards in f32, is exact.)"""
+    n = x.shape[-1]
+    xs, ws = round_as(x, "f16"), round_as(weight, "f16")
+    acc = torch.zeros((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
+    for start in range(0, n, F16_SUM_STEP):
+        stop = min(n, start + F16_SUM_STEP)
+        acc = round_as(acc + xs[..., start:stop] @ ws[:, start:stop].T, "f16")
+    return acc if bias is None else acc + bias
 
 
 def unrounded_sums_error(x: Tensor, rounded: Tensor, weight: Tensor, form: SumsForm = _LEGACY) -> Tensor | None:

@@ -1,0 +1,106 @@
+"""ggufcheck's emulation of ggml-cuda's tensor-core paths for unquantized weights
+(reference.precision: ``float_sums`` ``cuda``), each against an implementation written
+another way: TF32 operands by per-value arithmetic on the mantissa (math.frexp), cuBLAS's F16
+compute type by a numpy loop with float16 accumulation, and the kernel choice by the column
+limits in ggml-cuda's dispatch (mmvf.cu, mmf.cu)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ggufcheck.reference.precision import (CUDA_F32_VECTOR_MAX, CUDA_MMF_MAX, Emulation, emulating,
+                                           linear_f16_sums, round_tf32)
+
+
+def tf32_by_frexp(v: float) -> float:
+    """v rounded to 11 significant bits (TF32: 10 stored), ties away from zero."""
+    if v == 0 or not math.isfinite(v):
+        return v
+    m, e = math.frexp(v)  # v = m * 2**e, 0.5 <= |m| < 1
+    scaled = abs(m) * 2 ** 11
+    q = math.floor(scaled + 0.5)
+    return math.copysign(q * 2.0 ** (e - 11), v)
+
+
+def test_tf32_rounding_matches_per_value_arithmetic():
+    rng = np.random.default_rng(0)
+    v = np.concatenate([rng.normal(0, 1, 2000), rng.normal(0, 1e-20, 200), rng.normal(0, 1e20, 200),
+                        [0.0, -0.0, 1.0, -1.0, 1 + 2 ** -11, 1 + 3 * 2 ** -12, 65504.0]]).astype(np.float32)
+    got = round_tf32(torch.from_numpy(v.astype(np.float64))).numpy()
+    want = np.array([tf32_by_frexp(float(x)) for x in v])
+    assert np.array_equal(got, want)
+    assert torch.isnan(round_tf32(torch.tensor([float("nan")], dtype=torch.float64))).all()
+
+
+def f16_sums_numpy(x: np.ndarray, w: np.ndarray, step: int = 16) -> np.ndarray:
+    """x [T, n] @ w [m, n].T with a float16 running sum, rounded after every ``step`` products."""
+    xs, ws = x.astype(np.float16).astype(np.float64), w.astype(np.float16).astype(np.float64)
+    out = np.zeros((x.shape[0], w.shape[0]), dtype=np.float16)
+    for t in range(x.shape[0]):
+        for o in range(w.shape[0]):
+            acc = np.float16(0)
+            for s in range(0, x.shape[1], step):
+                acc = np.float16(float(acc) + float(np.dot(xs[t, s:s + step], ws[o, s:s + step])))
+            out[t, o] = acc
+    return out.astype(np.float64)
+
+
+def test_f16_sums_match_a_float16_accumulator():
+    """Small integers: every partial sum is exact in fp64, so the two implementations must agree
+    bit for bit, and past 2048 the f16 running sum rounds (odd integers are not representable)."""
+    rng = np.random.default_rng(1)
+    x, w = rng.integers(-40, 41, (5, 256)).astype(np.float64), rng.integers(-40, 41, (7, 256)).astype(np.float64)
+    got = linear_f16_sums(torch.from_numpy(x), torch.from_numpy(w)).numpy()
+    assert np.array_equal(got, f16_sums_numpy(x, w))
+    assert not np.array_equal(got, x @ w.T)  # the f16 running sum did round here
+
+
+def test_f16_sums_err_more_than_one_f16_rounding_of_the_result():
+    """The running sum's roundings add up with the width: well above rounding the exact product once."""
+    rng = np.random.default_rng(2)
+    x = torch.from_numpy(rng.normal(0, 1, (32, 1024)))
+    w = torch.from_numpy(rng.normal(0, 0.05, (64, 1024)).astype(np.float16).astype(np.float64))
+    exact = x.to(torch.float16).double() @ w.T
+    once = (exact.to(torch.float16).double() - exact).abs().mean()
+    summed = (linear_f16_sums(x, w) - exact).abs().mean()
+    assert summed > 2 * once, (float(summed), float(once))
+
+
+def tagged(t: torch.Tensor, kind: str) -> torch.Tensor:
+    t.ggml_type = kind
+    return t
+
+
+@pytest.mark.parametrize("kind,limit,form", [("F32", CUDA_F32_VECTOR_MAX, "tf32"), ("F16", CUDA_MMF_MAX, "f16-sums")])
+def test_the_kernel_follows_ggml_cudas_column_limits(kind, limit, form):
+    """mmvf.cu: F32 weights take the f32 vector kernel for at most 3 columns; mmf.cu: past 16
+    columns F16 weights go to cuBLAS (CUBLAS_COMPUTE_16F); quantized weights are not touched."""
+    weight = tagged(torch.zeros(4, 4, dtype=torch.float64), kind)
+    stated = Emulation(float_sums="cuda")
+    assert stated.for_batch(limit).float_form(weight) is None
+    assert stated.for_batch(limit + 1).float_form(weight) == form
+    assert Emulation().for_batch(limit + 1).float_form(weight) is None  # not stated: exact
+    assert stated.for_batch(64).float_form(tagged(torch.zeros(4, 4), "Q4_K")) is None
+
+
+def test_the_reference_multiplies_through_the_stated_path(tiny_gguf):
+    """Wired through layers.linear: an F16 model's prefill of more than 16 tokens moves away
+    from fp64 under the stated cuBLAS path, one of at most 16 tokens rounds only as before."""
+    from ggufcheck.reference.model import ReferenceModel
+
+    model = ReferenceModel(tiny_gguf("llama", qtypes="F16", n_embd=256, head_dim=64, n_ff=512).path, dtype="fp64")
+    plain = Emulation(activations="f16", outputs="f16", kv="f16")
+    cuda = Emulation(activations="f16", outputs="f16", kv="f16", float_sums="cuda")
+    for tokens, moves in ((12, False), (24, True)):
+        ids = list(range(3, 3 + tokens))
+        truth = model.forward(ids)[0]
+        errors = []
+        for emulation in (plain, cuda):
+            model.emulation = emulation
+            errors.append(float((model.forward(ids)[0] - truth).abs().max()))
+            model.emulation = None
+        assert (errors[1] > 1.5 * errors[0]) == moves, (tokens, errors)
