@@ -73,7 +73,9 @@ def _llama_server_answer(llama, body: dict, partial=frozenset()) -> dict:
 def dialect_server(llama_engine):
     servers = []
 
-    def start(kind: str, partial=frozenset()) -> str:
+    def start(kind: str, partial=frozenset(), metrics: bool = False) -> str:
+        hits = [0.0]  # vllm:prefix_cache_hits: counted for requests without prompt log-probs (vLLM reads its cache then)
+
         class Handler(http.server.BaseHTTPRequestHandler):
             def _send(self, doc, code=200):
                 raw = json.dumps(doc).encode()
@@ -90,12 +92,22 @@ def dialect_server(llama_engine):
                     self._send({"default_generation_settings": {}, "n_ctx": 128})
                 elif self.path == "/openapi.json" and kind == "vllm":
                     self._send({"paths": {"/tokenize": {}, "/v1/completions": {}}})
+                elif self.path == "/metrics" and metrics:
+                    raw = (f'# TYPE vllm:prefix_cache_hits_total counter\n'
+                           f'vllm:prefix_cache_hits_total{{engine="0",model_name="tiny"}} {hits[0]}\n'
+                           f'vllm:prefix_cache_hits_created{{engine="0",model_name="tiny"}} 1.7e9\n').encode()
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(raw)))
+                    self.end_headers()
+                    self.wfile.write(raw)
                 else:
                     self._send({"error": "not found"}, 404)
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if self.path == "/v1/completions" and kind == "vllm":
+                    if body.get("prompt_logprobs") is None:
+                        hits[0] += 16
                     self._send(_vllm_answer(llama_engine, body))
                 elif self.path == "/completion" and kind == "llama-server":
                     self._send(_llama_server_answer(llama_engine, body, partial))
@@ -171,3 +183,25 @@ def test_llama_server_partial_utf8_pieces_are_asked_again_not_reported_unreachab
         if ref is not None:
             top = int(np.argmax(ref))
             assert int(gen.steps.topk_ids[r, 0]) == top
+
+
+def test_vllm_prefix_cache_rows_are_one_token_generations_after_the_prefix(dialect_server, llama_engine, prompts):
+    """vLLM reads its prefix cache only for requests without prompt log-probs: each warm row is
+    the next-token distribution of its own one-token generation, at the rows cached_rows picks,
+    in place; the server's hit counter must move (a server without it cannot be judged)."""
+    from ggufcheck.engines.base import Unsupported
+    from ggufcheck.engines.http import cached_rows
+
+    seq = llama_engine.tokenize(prompts[0])
+    with HttpEngine(dialect_server("vllm", metrics=True), vocab_size=llama_engine.vocab_size,
+                    options=HttpOptions(top_k=K)) as engine:
+        warm = engine.score_cached(seq, len(seq) // 2, top_k=K)
+    rows = cached_rows(len(seq), len(seq) // 2)
+    assert list(np.flatnonzero(warm.present)) == rows and len(rows) <= 8 and rows[-1] == len(seq) - 1
+    truth = llama_engine.score(seq).logprobs
+    for r in rows:
+        assert [int(t) for t in warm.topk_ids[r, :K]] == [t for t, _ in _top(truth[r])]
+        assert np.allclose(warm.topk_logprobs[r, :K], [v for _, v in _top(truth[r])])
+    with HttpEngine(dialect_server("vllm"), vocab_size=llama_engine.vocab_size, options=HttpOptions(top_k=K)) as engine:
+        with pytest.raises(Unsupported, match="prefix_cache_hits"):
+            engine.score_cached(seq, len(seq) // 2, top_k=K)

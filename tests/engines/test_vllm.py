@@ -15,6 +15,7 @@ with a computation independent of ggufcheck's checks (docs/real-world-cases.md):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -350,24 +351,28 @@ def served_model(tiny, tmp_path_factory):
                    "tokenizer.chat_template", CHAT_TEMPLATE, GGUFValueType.STRING)
 
 
-@pytest.fixture(scope="module")
-def vllm_server(vllm_python, served_model, tmp_path_factory):
-    """``vllm.entrypoints.openai.api_server`` on loopback serving the tiny qwen2 F32 GGUF (the
-    CPU compatibility plug-in reaches it through the ``vllm.general_plugins`` entry point)."""
+@contextlib.contextmanager
+def _openai_server(vllm_python, model, folder: Path, fault: str = ""):
+    """``vllm.entrypoints.openai.api_server`` on loopback serving ``model`` (the CPU
+    compatibility plug-in reaches it through the ``vllm.general_plugins`` entry point; ``fault``:
+    GGUFCHECK_VLLM_FAULT for the fault plug-in of the test venv), prefix caching as vLLM
+    defaults it (on)."""
     import signal
     import socket
     import urllib.request
 
     from ggufcheck.engines.vllm import build_config_dir
 
-    model = served_model
     cfg = build_config_dir(model, vllm_python)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    log_path = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    log_path = folder / "server.log"
     log = open(log_path, "wb")
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    env.pop("GGUFCHECK_VLLM_FAULT", None)
+    if fault:
+        env["GGUFCHECK_VLLM_FAULT"] = fault
     proc = subprocess.Popen([vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                              "--tokenizer", str(cfg), "--hf-config-path", str(cfg), "--dtype", "float32",
                              "--enforce-eager", "--max-model-len", "512", "--host", "127.0.0.1", "--port", str(port)],
@@ -395,6 +400,12 @@ def vllm_server(vllm_python, served_model, tmp_path_factory):
         log.close()
 
 
+@pytest.fixture(scope="module")
+def vllm_server(vllm_python, served_model, tmp_path_factory):
+    with _openai_server(vllm_python, served_model, tmp_path_factory.mktemp("vllm-server")) as url:
+        yield url
+
+
 def test_vllm_openai_server_prompt_logprob_dialect_for_real(vllm_server, served_model):
     """The vLLM dialect of ``--engine http://...`` against vLLM's real server: detected as
     vLLM, teacher-forced top-k + tail log-probs at every position, healthy on a healthy model;
@@ -413,6 +424,26 @@ def test_vllm_openai_server_prompt_logprob_dialect_for_real(vllm_server, served_
     assert {"logits", "paths"} <= _stages_ran(d)
     fed = next(r for s in d.stages for r in s.results if r.check == "template.engine")
     assert fed.status.value == "PASS" and "feeds the same" in fed.message, fed.message
+    # issue 37 item 2 over HTTP: one-token generations (vLLM reads its prefix cache for those)
+    # after the prefix was cached, against the cold teacher-forced rows
+    warm = next(r for s in d.stages for r in s.results if r.check == "paths.prefix_cache")
+    assert warm.status.value == "PASS" and "read the prefix cache" in warm.message, warm.message
+
+
+def test_stale_prefix_cache_blocks_in_vllms_server_are_named_kv_cache(vllm_python, served_model, tmp_path):
+    """The stale-prefix-cache fault (every KV block scaled by 0.5 when a request is scheduled
+    with a prefix-cache hit) in vLLM's own server: the teacher-forced rows (prompt log-probs:
+    vLLM never reads its cache for those) stay right, the requests that read the cache do not,
+    and paths.prefix_cache names the cache."""
+    from ggufcheck.engines.spec import open_engine
+
+    with _openai_server(vllm_python, served_model, tmp_path, fault="stale_prefix_cache") as url:
+        with open_engine(url, served_model) as engine:
+            d = diagnose(DiagnoseOptions(model=Path(served_model), engine=url, health=False, sanity=False,
+                                         max_prompts=2, max_tokens=48, new_tokens=4), engine=engine)
+    warm = next(r for s in d.stages for r in s.results if r.check == "paths.prefix_cache")
+    assert warm.status.value == "FAIL" and warm.component == "kv-cache", warm.message
+    print(d.verdict.component, d.verdict.check, d.verdict.message, _fails(d))
 
 
 # ------------------------------------------- MLA + MoE: an exported checkpoint (plug-in refuses it)

@@ -104,3 +104,51 @@ def test_the_reference_multiplies_through_the_stated_path(tiny_gguf):
             errors.append(float((model.forward(ids)[0] - truth).abs().max()))
             model.emulation = None
         assert (errors[1] > 1.5 * errors[0]) == moves, (tokens, errors)
+
+
+def test_routed_experts_follow_mul_mat_id_and_cublas_f32_turns_f16_into_tf32():
+    """mul_mat_id (ggml_cuda_mul_mat_id): F32 experts take the mmf kernels (tf32 mma) at any
+    token count, F16 experts the mmf ones (f32 sums) up to 512 tokens, cuBLAS past that;
+    GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32 makes cuBLAS multiply F16 as F32 in TF32 math."""
+    f32_expert, f16_expert = tagged(torch.zeros(4, 4), "F32"), tagged(torch.zeros(4, 4), "F16")
+    f32_expert.ggml_expert = f16_expert.ggml_expert = True
+    stated = Emulation(float_sums="cuda")
+    assert stated.for_batch(1).float_form(f32_expert) == "tf32"
+    assert stated.for_batch(64).float_form(f16_expert) is None
+    assert stated.for_batch(600).float_form(f16_expert) == "f16-sums"
+    forced = Emulation(float_sums="cuda-cublas-f32")
+    assert forced.for_batch(64).float_form(tagged(torch.zeros(4, 4), "F16")) == "tf32"
+    assert forced.for_batch(2).float_form(tagged(torch.zeros(4, 4), "F16")) is None
+
+
+def test_the_engine_states_cublas_f32_when_its_process_forces_it(tiny_gguf, monkeypatch):
+    from types import SimpleNamespace
+
+    from ggufcheck.engines.llama_cpp import gpu_rounding
+
+    path = tiny_gguf("llama", qtypes="F16").path
+    params = SimpleNamespace(type_k=1, type_v=1)
+    assert gpu_rounding(path, params)["float_sums"] == "cuda"
+    monkeypatch.setenv("GGML_CUDA_CUBLAS_COMPUTE_TYPE", "f32")
+    assert gpu_rounding(path, params)["float_sums"] == "cuda-cublas-f32"
+
+
+def test_a_moes_experts_are_tagged_as_experts_with_their_stored_type(tiny_gguf):
+    """Resident stacks and per-expert reads alike: what float_form and the block sums read."""
+    from ggufcheck.reference import layers
+    from ggufcheck.reference.model import ReferenceModel
+
+    model = ReferenceModel(tiny_gguf("qwen3moe", qtypes="F32").path, dtype="fp64")
+    seen = []
+    original = layers.linear
+
+    def spy(x, weight, bias=None):
+        seen.append((getattr(weight, "ggml_type", None), getattr(weight, "ggml_expert", False)))
+        return original(x, weight, bias)
+
+    layers.linear = spy
+    try:
+        model.forward([3, 4, 5])
+    finally:
+        layers.linear = original
+    assert ("F32", True) in seen and ("F32", False) in seen

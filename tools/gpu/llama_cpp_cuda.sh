@@ -283,6 +283,24 @@ if has floatpaths; then  # issue 36 item 1: F32 / F16 weights against the stated
   TAILN=16 step 60 fp-moe python3 -m ggufcheck quants --arch qwen3moe --types F16,F32,Q8_0 --engine llama-cpp:n_gpu_layers=99 --json $W/fp-moe.json
 fi
 
+if has floatpaths2; then  # after tagging routed experts (mmf: tf32 at any count) and stating cublas_f32=1 (F16 as TF32)
+  TAILN=16 step 60 fp2-moe python3 -m ggufcheck quants --arch qwen3moe --types F16,F32 --engine llama-cpp:n_gpu_layers=99 --json $W/fp2-moe.json
+  TAILN=16 step 75 fp2-1024-cublas32 python3 -m ggufcheck quants --width 1024 --types F16,F32 --engine llama-cpp:n_gpu_layers=99,cublas_f32=1 --json $W/fp2-1024-cublas32.json
+  TAILN=16 step 75 fp2-1024-nb8 python3 -m ggufcheck quants --width 1024 --types F16,F32 --engine llama-cpp:n_gpu_layers=99,n_batch=8 --json $W/fp2-1024-nb8.json
+fi
+
+if has nmseds2; then  # the tiny deepseek2 Q4_K through the CUDA llama-server: logits.nmse 0.209 (one row's NMSE 98.7,
+  # median 5e-6): the run saved (--save-run) to look at that row here and with the in-process engine beside it
+  python3 -c "from ggufcheck.synthetic.tiny import build_tiny_gguf as b; b('deepseek2', '/tmp/l20/models/cs-ds2-Q4_K.gguf', seed=3, qtypes='Q4_K', n_embd=256, n_ff_exp=256, n_ff=512)"
+  $B/bin/llama-server -m $W/models/cs-ds2-Q4_K.gguf -ngl 99 --host 127.0.0.1 --port 8095 -c 4096 -np 1 > $W/server-nmse.log 2>&1 &
+  SP=$!
+  for i in $(seq 60); do curl -sf 127.0.0.1:8095/health >/dev/null && break; sleep 0.5; done
+  TAILN=8 step 70 nmse-http python3 -m ggufcheck diagnose $W/models/cs-ds2-Q4_K.gguf --no-sanity --no-kernels --engine "http://127.0.0.1:8095?backend=cuda" --save-run $OUT/nmse-http-run --json $W/nmse-http.json
+  kill $SP; wait $SP 2>/dev/null
+  TAILN=8 step 70 nmse-inproc python3 -m ggufcheck diagnose $W/models/cs-ds2-Q4_K.gguf --no-sanity --no-kernels --engine llama-cpp:n_gpu_layers=99 --json $W/nmse-inproc.json
+  cp $W/models/cs-ds2-Q4_K.gguf $OUT/ 2>/dev/null; du -sh $OUT/*
+fi
+
 if has coldserver; then  # issue 37 item 2 on CUDA: llama-server -ngl 99, its batched prefill (paths.cold_prefill) vs its steps
   python3 - <<'EOF2'
 from ggufcheck.synthetic.tiny import build_tiny_gguf as b

@@ -386,15 +386,23 @@ def check_prefix_cache(engine: Engine, sequence: Sequence[int], cold: TokenLogpr
         warm = engine.score_cached(list(sequence), cached, top_k=options.top_k)
     except Unsupported as why:
         return skipped(check, "kv-cache", str(why))
-    computed = int(warm.present.sum()) if warm.present is not None else len(sequence)
-    if computed >= len(sequence):
+    n = len(sequence)
+    rows = np.flatnonzero(warm.present) if warm.present is not None else np.arange(n)
+    computed = len(rows)
+    if computed >= n:
         return skipped(check, "kv-cache", f"a {cached}-token prefix gave no cache hit (every position was "
                                           "computed again: shorter than one cache block?)")
-    hit = len(sequence) - computed
-    result = _pair_verdict(check, "kv-cache", f"a cold request vs the same request after its first {cached} tokens "
-                                              f"were cached ({hit} positions read from the prefix cache)",
-                           [(cold, warm)], baseline, options.tolerance, landmarks(options))
-    return result.amended("", stats={"cached_positions": hit, "computed_positions": computed})
+    if computed and rows[0] == n - computed:  # one request: the cached positions, then the rows it computed
+        hit = n - computed
+        what = f"a cold request vs the same request after its first {cached} tokens were cached ({hit} positions " \
+               "read from the prefix cache)"
+        stats = {"cached_positions": hit, "computed_positions": computed}
+    else:  # a server: each row the last of its own request, after the prefix was cached
+        what = (f"a cold request vs {computed} requests for its prefixes after its first {cached} tokens were cached "
+                "(each row the next-token distribution of one request that read the prefix cache)")
+        stats = {"cached_prefix": cached, "rows": [int(r) for r in rows]}
+    result = _pair_verdict(check, "kv-cache", what, [(cold, warm)], baseline, options.tolerance, landmarks(options))
+    return result.amended("", stats=stats)
 
 
 def check_cold_prefill(engine: Engine, prompts: Sequence[Sequence[int]], singles: Sequence[TokenLogprobs],

@@ -98,6 +98,14 @@ class Client:
     def get(self, path: str, **kw: Any) -> Any:
         return self.request("GET", path, **kw)
 
+    def get_text(self, path: str) -> str | None:
+        """A plain-text page (Prometheus metrics), once, or None when it cannot be read."""
+        try:
+            with urllib.request.urlopen(self.base_url + path, timeout=self.options.timeout_s) as resp:
+                return resp.read().decode("utf-8", errors="replace")
+        except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError, OSError):
+            return None
+
     def post(self, path: str, body: dict, **kw: Any) -> Any:
         return self.request("POST", path, body, **kw)
 
@@ -463,7 +471,58 @@ class HttpEngine(Engine):
         if self.kind == "llama-server":
             raise Unsupported("every row llama-server scores here is a request whose prefix its prompt cache holds: "
                               "paths.cold_prefill compares them with cold requests")
+        if self.kind == "vllm":
+            return self._vllm_score_cached([int(t) for t in tokens], int(cached), top_k)
         return super().score_cached(tokens, cached, top_k=top_k)
+
+    def _vllm_score_cached(self, tokens: list[int], cached: int, k: int) -> TokenLogprobs:
+        """Rows of ``tokens`` read through vLLM's prefix cache. vLLM reads the cache only for
+        requests without prompt log-probs (``SamplingParams.skip_reading_prefix_cache``: the
+        teacher-forced :meth:`score` is always cold), so a request for the first ``cached``
+        tokens fills it, then each asked row (:func:`cached_rows`) is the next-token
+        distribution of a one-token generation of the tokens up to it, whose prefix the cache
+        holds. The server's own counters (``vllm:prefix_cache_hits`` on /metrics) must have
+        moved: without a hit there is nothing to compare (prefix caching off, or a prefix
+        shorter than one block), and the check says so instead of passing."""
+        before = self._prefix_cache_hits()
+        self._vllm_last_row(tokens[:cached], k)  # fills the prefix cache
+        rows = cached_rows(len(tokens), cached)
+        ids = np.full((len(tokens), k + 1), -1, dtype=np.int64)
+        vals = np.full((len(tokens), k + 1), -np.inf)
+        present = np.zeros(len(tokens), dtype=bool)
+        for r in rows:
+            for j, (tid, value) in enumerate(self._vllm_last_row(tokens[: r + 1], k)[: k + 1]):
+                ids[r, j], vals[r, j] = tid, value
+            present[r] = True
+        after = self._prefix_cache_hits()
+        if before is None or after is None:
+            raise Unsupported("vLLM's server reports no prefix-cache counters on /metrics (vllm:prefix_cache_hits), "
+                              "so a cache hit cannot be told from a cold request")
+        if after <= before:
+            raise Unsupported(f"vLLM's server counted no prefix-cache hit over {len(rows) + 1} requests sharing a "
+                              f"{cached}-token prefix (prefix caching off, or the prefix is shorter than one block)")
+        return TokenLogprobs(tokens, self.vocab_size, topk_ids=ids, topk_logprobs=vals, present=present)
+
+    def _vllm_last_row(self, prefix: list[int], k: int) -> list[tuple[int, float]]:
+        """[(id, logprob)] of the distribution after ``prefix``: one greedy token, no prompt log-probs."""
+        body = {"prompt": prefix, "max_tokens": 1, "temperature": 0.0, "logprobs": k,
+                "return_tokens_as_token_ids": True, "seed": 0}
+        if self.model_id:
+            body["model"] = self.model_id
+        choice = _field(self.client.post("/v1/completions", body), "choices", 0)
+        top = ((choice.get("logprobs") or {}).get("top_logprobs") or [None])[0]
+        if not isinstance(top, dict):
+            raise EngineUnreachable("vLLM returned no log-probs for a one-token generation")
+        return sorted(((_vllm_token_id(key), float(v)) for key, v in top.items()), key=lambda e: -e[1])
+
+    def _prefix_cache_hits(self) -> float | None:
+        """The sum of vLLM's ``vllm:prefix_cache_hits`` counters (tokens), or None when absent."""
+        page = self.client.get_text("/metrics")
+        if page is None:
+            return None
+        values = [float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
+                  if line.startswith("vllm:prefix_cache_hits") and not line.startswith("vllm:prefix_cache_hits_created")]
+        return sum(values) if values else None
 
     def score_cold(self, tokens: Sequence[int], rows: Sequence[int], *, top_k: int | None = None) -> TokenLogprobs:
         """llama-server: each of ``rows`` from a request for the tokens up to it with
@@ -613,6 +672,14 @@ class HttpEngine(Engine):
 
 # how many partial UTF-8 pieces one llama-server step may ban before giving up
 PARTIAL_PIECE_RETRIES = 8
+
+
+def cached_rows(n: int, cached: int, at_most: int = 8) -> list[int]:
+    """At most ``at_most`` rows of an ``n``-token sequence past its first ``cached`` tokens
+    (row r: the distribution after tokens[:r + 1]), evenly spread, the last included."""
+    if cached >= n:
+        return []
+    return sorted({int(round(x)) for x in np.linspace(cached, n - 1, min(at_most, n - cached))})
 
 
 def _vllm_token_id(key: str) -> int | None:

@@ -164,7 +164,9 @@ def gpu_rounding(model_path: str | Path, params: Any) -> dict[str, str]:
     if "F16" in expert_types:
         out["decode_unemulated"] = CUDA_F16_EXPERTS_DECODE
     if matmuls & {"F32", "F16"}:  # TF32 tensor cores / cuBLAS's F16 compute type (precision.Emulation.float_form)
-        out["float_sums"] = "cuda"
+        # the engine's process reads GGML_CUDA_CUBLAS_COMPUTE_TYPE (engines/spec.py cublas_f32=1 sets it there)
+        forced = os.environ.get("GGML_CUDA_CUBLAS_COMPUTE_TYPE", "").lower()
+        out["float_sums"] = "cuda-cublas-f32" if forced in ("f32", "fp32") else "cuda"
     return out
 
 

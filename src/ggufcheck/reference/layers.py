@@ -273,15 +273,28 @@ def moe(x: Tensor, ids: Tensor, weights: Tensor, gate_exps: Tensor, up_exps: Ten
     b_gate, b_up, b_down = biases
     for e in torch.unique(ids).tolist():
         tok, slot = torch.nonzero(ids == e, as_tuple=True)  # tokens that chose e, and where
+        gate, up, down = (_expert(stack, e) for stack in (gate_exps, up_exps, down_exps))
         if act == "swiglu_oai":
             xe = x[tok]
-            g = linear(xe, gate_exps[e], None if b_gate is None else b_gate[e])
-            u = linear(xe, up_exps[e], None if b_up is None else b_up[e])
-            y = linear(swiglu_oai(g, u), down_exps[e], None if b_down is None else b_down[e])  # [n, D]
+            g = linear(xe, gate, None if b_gate is None else b_gate[e])
+            u = linear(xe, up, None if b_up is None else b_up[e])
+            y = linear(swiglu_oai(g, u), down, None if b_down is None else b_down[e])  # [n, D]
         else:
-            y = swiglu(x[tok], gate_exps[e], up_exps[e], down_exps[e])  # [n, D]
+            y = swiglu(x[tok], gate, up, down)  # [n, D]
         out.index_add_(0, tok, y * weights[tok, slot, None])
     return out
+
+
+def _expert(stack, e: int) -> Tensor:
+    """Expert ``e``'s matrix of a stacked expert tensor, tagged as a routed expert's (an
+    emulated engine multiplies those with its mul_mat_id kernels: precision.Emulation.float_form)
+    and with the stack's stored type (a slice of a resident stack does not carry it)."""
+    w = stack[e]
+    kind = getattr(w, "ggml_type", None) or getattr(stack, "ggml_type", None)
+    if kind is not None:
+        w.ggml_type = kind
+    w.ggml_expert = True
+    return w
 
 
 def moe_block(cfg: ReferenceConfig, w: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor, Tensor]:

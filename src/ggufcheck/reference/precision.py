@@ -32,6 +32,9 @@ being judged, and its error against fp64 becomes that run's expected error:
   F16 weights in a forward of more than 16 tokens in cuBLAS with an F16 compute type
   (``CUBLAS_COMPUTE_16F``: half-precision sums, each 16-product step of the tensor cores
   rounded to f16, and an f16 result). Fewer tokens take ggml's own kernels with f32 sums.
+  Routed experts (``mul_mat_id``) take the mmf kernels up to 512 tokens: TF32 for F32 at any
+  count. ``cuda-cublas-f32``: the same with ``GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32``, where cuBLAS
+  multiplies F16 weights as F32 in TF32 math.
 
 It is an emulation of the rounding's size, not of the engine's exact arithmetic, so the
 diagnosis only ever widens a stated allowance with it (checks.compare.combined_baseline),
@@ -75,6 +78,7 @@ _LEGACY = SumsForm()
 # F16 compute type rounds its running sum
 CUDA_F32_VECTOR_MAX = 3
 CUDA_MMF_MAX = 16
+CUDA_MMF_EXPERTS_MAX = 512  # mul_mat_id (expert matrices of at most 1024 rows; wider ones: 128)
 F16_SUM_STEP = 16
 # from ggml-cuda (llama.cpp, ggml 0.25): vecdotq.cuh's vec_dot_*_q8_1 for the matrix-vector
 # kernels (q4_0: ``d4 * (sumi * ds8.x - 8 * ds8.y)``; the K-quants' mmvq forms sum the rounded
@@ -109,7 +113,7 @@ class Emulation:
     # (llama.cpp CUDA: F16 routed experts' one-token products in cuBLAS with an F16 compute
     # type): the decode is then judged by its class allowance alone, and says why
     decode_unemulated: str | None = None
-    # "cuda": unquantized weights as ggml-cuda multiplies them (float_form); None: exact
+    # "cuda" / "cuda-cublas-f32": unquantized weights as ggml-cuda multiplies them (float_form); None: exact
     float_sums: str | None = None
     # the token count of the forward being emulated (for_batch), which picks ggml-cuda's kernel
     tokens: int | None = None
@@ -143,13 +147,19 @@ class Emulation:
         ``ggml_cuda_should_use_mmf`` up to 16 columns (tensor cores: tf32 for F32, f16 operands
         with f32 sums for F16), then ``ggml_cuda_mul_mat_cublas`` (F32: TF32 math; F16:
         ``CUBLAS_COMPUTE_16F``)."""
-        if self.float_sums != "cuda" or self.tokens is None:
+        if self.float_sums not in ("cuda", "cuda-cublas-f32") or self.tokens is None:
             return None
         kind = getattr(weight, "ggml_type", None)
+        if getattr(weight, "ggml_expert", False):  # mul_mat_id: the mmf kernels up to 512 tokens, at any count
+            if kind == "F32":
+                return "tf32"
+            if kind == "F16" and self.tokens > CUDA_MMF_EXPERTS_MAX:
+                return "tf32" if self.float_sums == "cuda-cublas-f32" else "f16-sums"
+            return None
         if kind == "F32" and self.tokens > CUDA_F32_VECTOR_MAX:
             return "tf32"
-        if kind == "F16" and self.tokens > CUDA_MMF_MAX:
-            return "f16-sums"
+        if kind == "F16" and self.tokens > CUDA_MMF_MAX:  # cuBLAS; GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32: an F32 gemm
+            return "tf32" if self.float_sums == "cuda-cublas-f32" else "f16-sums"  # in TF32 math (f16 values are exact)
         return None
 
     def sums_form(self, weight) -> SumsForm | None:
