@@ -81,7 +81,7 @@ def test_the_kernel_follows_ggml_cudas_column_limits(kind, limit, form):
     columns F16 weights go to cuBLAS (CUBLAS_COMPUTE_16F); quantized weights are not touched."""
     weight = tagged(torch.zeros(4, 4, dtype=torch.float64), kind)
     stated = Emulation(float_sums="cuda")
-    assert stated.for_batch(limit).float_form(weight) is None
+    assert stated.for_batch(limit).float_form(weight) == (None if kind == "F32" else "mma")
     assert stated.for_batch(limit + 1).float_form(weight) == form
     assert Emulation().for_batch(limit + 1).float_form(weight) is None  # not stated: exact
     assert stated.for_batch(64).float_form(tagged(torch.zeros(4, 4), "Q4_K")) is None
@@ -106,6 +106,16 @@ def test_the_reference_multiplies_through_the_stated_path(tiny_gguf):
         assert (errors[1] > 1.5 * errors[0]) == moves, (tokens, errors)
 
 
+def test_one_token_and_bf16_take_their_kernels_rounding():
+    """mmvf (one column): f32 activations, sums and result; BF16 past 16 tokens: cuBLAS with f32
+    sums and a bf16 result, which the class's own rounding (activations / outputs bf16) is."""
+    stated = Emulation(float_sums="cuda")
+    for kind in ("F16", "BF16"):
+        assert stated.for_batch(1).float_form(tagged(torch.zeros(4, 4), kind)) == "vector"
+        assert stated.for_batch(8).float_form(tagged(torch.zeros(4, 4), kind)) == "mma"
+    assert stated.for_batch(64).float_form(tagged(torch.zeros(4, 4), "BF16")) is None
+
+
 def test_routed_experts_follow_mul_mat_id_and_cublas_f32_turns_f16_into_tf32():
     """mul_mat_id (ggml_cuda_mul_mat_id): F32 experts take the mmf kernels (tf32 mma) at any
     token count, F16 experts the mmf ones (f32 sums) up to 512 tokens, cuBLAS past that;
@@ -114,11 +124,11 @@ def test_routed_experts_follow_mul_mat_id_and_cublas_f32_turns_f16_into_tf32():
     f32_expert.ggml_expert = f16_expert.ggml_expert = True
     stated = Emulation(float_sums="cuda")
     assert stated.for_batch(1).float_form(f32_expert) == "tf32"
-    assert stated.for_batch(64).float_form(f16_expert) is None
+    assert stated.for_batch(64).float_form(f16_expert) == "mma"
     assert stated.for_batch(600).float_form(f16_expert) == "f16-sums"
     forced = Emulation(float_sums="cuda-cublas-f32")
     assert forced.for_batch(64).float_form(tagged(torch.zeros(4, 4), "F16")) == "tf32"
-    assert forced.for_batch(2).float_form(tagged(torch.zeros(4, 4), "F16")) is None
+    assert forced.for_batch(2).float_form(tagged(torch.zeros(4, 4), "F16")) == "mma"
 
 
 def test_the_engine_states_cublas_f32_when_its_process_forces_it(tiny_gguf, monkeypatch):

@@ -171,6 +171,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         return torch.nn.functional.linear(round_tf32(x), round_tf32(weight), bias)
     if float_form == "f16-sums":
         return linear_f16_sums(x, weight, bias)
+    if float_form == "vector":  # ggml's f32 vector kernel: the weights' own values, nothing else rounds
+        return torch.nn.functional.linear(x, weight, bias)
+    if float_form == "mma":  # f16 / bf16 operands on the tensor cores, f32 sums and result
+        kind = "bf16" if getattr(weight, "ggml_type", None) == "BF16" else "f16"
+        return torch.nn.functional.linear(round_as(x, kind), weight, bias)
     form = emulation.sums_form(weight)  # a CUDA q8_1 form that reads this weight's group offsets
     kind = emulation.activations
     if form is not None and form.scale_block == 64 and kind in ("q8_0", "q8_k"):

@@ -140,27 +140,36 @@ class Emulation:
         return replace(self.on_decode() if tokens <= self.decode_batch_max else self, tokens=tokens)
 
     def float_form(self, weight) -> str | None:
-        """How ``weight`` (tagged ``ggml_type``) is multiplied in this forward where it is not
-        exact: "tf32" (operands rounded to TF32), "f16-sums" (cuBLAS's F16 compute type), None.
-        ggml-cuda (llama.cpp, ggml 0.25) on NVIDIA Ampere and later: ``ggml_cuda_should_use_mmvf``
-        takes F32 weights for at most 3 columns and 2-D F16 ones for one (f32 sums), then
-        ``ggml_cuda_should_use_mmf`` up to 16 columns (tensor cores: tf32 for F32, f16 operands
-        with f32 sums for F16), then ``ggml_cuda_mul_mat_cublas`` (F32: TF32 math; F16:
-        ``CUBLAS_COMPUTE_16F``)."""
+        """How ``weight`` (tagged ``ggml_type``, and ``ggml_expert`` for a routed expert's) is
+        multiplied in this forward, where ggml-cuda's kernel for it rounds otherwise than the
+        class (``activations`` / ``outputs``) says: "tf32" (operands rounded to TF32), "f16-sums"
+        (cuBLAS's F16 compute type), "vector" (f32 activations, sums and result), "mma" (f16 /
+        bf16 activations, f32 sums and result); None: as the class says. ggml-cuda (llama.cpp,
+        ggml 0.25) on NVIDIA Ampere and later: ``ggml_cuda_should_use_mmvf`` takes F32 weights
+        for at most 3 columns and 2-D F16 / BF16 ones for one, ``ggml_cuda_should_use_mmf`` up
+        to 16 columns (tensor cores: tf32 for F32, f16 / bf16 operands with f32 sums), then
+        ``ggml_cuda_mul_mat_cublas`` (F32: TF32 math; F16: ``CUBLAS_COMPUTE_16F``; BF16: f32
+        sums and a bf16 result, the class's rounding). Routed experts (``mul_mat_id``) take the
+        mmf kernels up to 512 tokens."""
         if self.float_sums not in ("cuda", "cuda-cublas-f32") or self.tokens is None:
             return None
         kind = getattr(weight, "ggml_type", None)
-        if getattr(weight, "ggml_expert", False):  # mul_mat_id: the mmf kernels up to 512 tokens, at any count
-            if kind == "F32":
-                return "tf32"
-            if kind == "F16" and self.tokens > CUDA_MMF_EXPERTS_MAX:
-                return "tf32" if self.float_sums == "cuda-cublas-f32" else "f16-sums"
+        if kind == "F32":
+            return "tf32" if getattr(weight, "ggml_expert", False) or self.tokens > CUDA_F32_VECTOR_MAX else None
+        if kind not in ("F16", "BF16"):
             return None
-        if kind == "F32" and self.tokens > CUDA_F32_VECTOR_MAX:
-            return "tf32"
-        if kind == "F16" and self.tokens > CUDA_MMF_MAX:  # cuBLAS; GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32: an F32 gemm
-            return "tf32" if self.float_sums == "cuda-cublas-f32" else "f16-sums"  # in TF32 math (f16 values are exact)
-        return None
+        if getattr(weight, "ggml_expert", False):
+            cublas = self.tokens > CUDA_MMF_EXPERTS_MAX
+        else:
+            if self.tokens == 1:
+                return "vector"
+            cublas = self.tokens > CUDA_MMF_MAX
+        if not cublas:
+            return "mma"
+        if kind == "BF16":
+            return None
+        # GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32: an F32 gemm in TF32 math (f16 values are exact in TF32)
+        return "tf32" if self.float_sums == "cuda-cublas-f32" else "f16-sums"
 
     def sums_form(self, weight) -> SumsForm | None:
         """How ``weight`` (tagged ``ggml_type`` by the WeightStore) multiplies activation sums here."""
