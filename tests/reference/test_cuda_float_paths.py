@@ -162,3 +162,20 @@ def test_a_moes_experts_are_tagged_as_experts_with_their_stored_type(tiny_gguf):
     finally:
         layers.linear = original
     assert ("F32", True) in seen and ("F32", False) in seen
+
+
+def test_a_prompt_in_pieces_takes_the_pieces_kernels(tiny_gguf):
+    """n_batch=8: llama.cpp feeds a long prompt 8 tokens at a time, so its kernels are the small
+    batches' (mmf for F16, the decode forms for quantized weights), whatever the prompt's length;
+    the engine states the piece size from its context (min of n_batch and n_ubatch)."""
+    from types import SimpleNamespace
+
+    from ggufcheck.engines.llama_cpp import gpu_rounding
+
+    f16 = tagged(torch.zeros(4, 4), "F16")
+    assert Emulation(float_sums="cuda").for_batch(64).float_form(f16) == "f16-sums"
+    pieces = Emulation(float_sums="cuda", ubatch=8, block_sums="cuda-mmq", decode_block_sums="cuda-mmvq")
+    assert pieces.for_batch(64).float_form(f16) == "mma" and pieces.for_batch(64).block_sums == "cuda-mmvq"
+    path = tiny_gguf("llama", qtypes="F16").path
+    assert gpu_rounding(path, SimpleNamespace(type_k=1, type_v=1, n_batch=8, n_ubatch=512))["ubatch"] == 8
+    assert gpu_rounding(path, SimpleNamespace(type_k=1, type_v=1, n_batch=512, n_ubatch=512))["ubatch"] == 512

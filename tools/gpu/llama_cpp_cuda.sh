@@ -37,6 +37,12 @@ if has defectq5k; then  # issue 36 item 1: a one-line defect in the Q5_K matrix-
   grep -n "const int vh1i" .gpu/llama.cpp/ggml/src/ggml-cuda/vecdotq.cuh | head -2
   rm -rf .gpu/prebuilt  # never the healthy build
 fi
+if has defectq4kmmq; then  # issue 37 item 2 on CUDA: a one-line defect in the Q4_K matrix-matrix kernels only (mmq's
+  # tile loader, the tensor-core path: the high nibble of every 4th byte loses its top bit); decode steps take mmvq
+  sed -i '745s/(qs0 >> 4) \& 0x0F0F0F0F;/(qs0 >> 4) \& 0x0F0F0F07;/' .gpu/llama.cpp/ggml/src/ggml-cuda/mmq-load-tiles.cuh
+  grep -n "(qs0 >> 4) & 0x0F0F0F07" .gpu/llama.cpp/ggml/src/ggml-cuda/mmq-load-tiles.cuh || { echo "defect not applied"; exit 1; }
+  rm -rf .gpu/prebuilt; NOPACK=1  # never the healthy build; nothing to send back
+fi
 if ls .gpu/prebuilt/bin.tar.xz.part* >/dev/null 2>&1; then
   mkdir -p $B && cat .gpu/prebuilt/bin.tar.xz.part* | xz -d | tar -C $B -x && echo "=== unpacked the carried build t=${SECONDS}s"
 elif has build; then
@@ -53,7 +59,7 @@ elif has build; then
   echo "=== configured t=${SECONDS}s"
   cmake --build $B -j16 --target llama llama-server > $W/build.log 2>&1 || { tail -40 $W/build.log; exit 1; }
   echo "=== built t=${SECONDS}s"; ls -la $B/bin | head -30
-  (cd $B && find bin -maxdepth 1 \( -name '*.so*' -o -name llama-server \) | tar -cf - -T - | xz -T16 -6 \
+  [ -z "${NOPACK:-}" ] && (cd $B && find bin -maxdepth 1 \( -name '*.so*' -o -name llama-server \) | tar -cf - -T - | xz -T16 -6 \
      | split -b 15M - $OUT/bin.tar.xz.part) && ls -la $OUT
 fi
 export LLAMA_CPP_LIB_PATH=$B/bin
@@ -284,7 +290,8 @@ if has floatpaths; then  # issue 36 item 1: F32 / F16 weights against the stated
 fi
 
 if has floatpaths2; then  # after tagging routed experts (mmf: tf32 at any count) and stating cublas_f32=1 (F16 as TF32)
-  TAILN=16 step 60 fp2-moe python3 -m ggufcheck quants --arch qwen3moe --types F16,F32 --engine llama-cpp:n_gpu_layers=99 --json $W/fp2-moe.json
+  TAILN=16 step 60 fp2-moe python3 -m ggufcheck quants --arch qwen3moe --types F16,BF16,F32 --engine llama-cpp:n_gpu_layers=99 --json $W/fp2-moe.json
+  TAILN=16 step 75 fp2-1024 python3 -m ggufcheck quants --width 1024 --types F16,BF16,F32 --engine llama-cpp:n_gpu_layers=99 --json $W/fp2-1024.json
   TAILN=16 step 75 fp2-1024-cublas32 python3 -m ggufcheck quants --width 1024 --types F16,F32 --engine llama-cpp:n_gpu_layers=99,cublas_f32=1 --json $W/fp2-1024-cublas32.json
   TAILN=16 step 75 fp2-1024-nb8 python3 -m ggufcheck quants --width 1024 --types F16,F32 --engine llama-cpp:n_gpu_layers=99,n_batch=8 --json $W/fp2-1024-nb8.json
 fi
@@ -299,6 +306,21 @@ if has nmseds2; then  # the tiny deepseek2 Q4_K through the CUDA llama-server: l
   kill $SP; wait $SP 2>/dev/null
   TAILN=8 step 70 nmse-inproc python3 -m ggufcheck diagnose $W/models/cs-ds2-Q4_K.gguf --no-sanity --no-kernels --engine llama-cpp:n_gpu_layers=99 --json $W/nmse-inproc.json
   cp $W/models/cs-ds2-Q4_K.gguf $OUT/ 2>/dev/null; du -sh $OUT/*
+fi
+
+if has q4kmmq; then  # the defect build: the kernel matrix names the path; llama-server's cold prefill names prefill
+  TAILN=14 step 90 q4k-quants python3 -m ggufcheck quants --types Q4_K,Q5_K,Q8_0 --engine llama-cpp:n_gpu_layers=99 --json $W/q4k-quants.json
+  python3 -c "from ggufcheck.synthetic.tiny import build_tiny_gguf as b; b('llama', '/tmp/l20/models/d-Q4_K.gguf', seed=3, qtypes='Q4_K', n_embd=256, head_dim=64, n_ff=512)"
+  $B/bin/llama-server -m $W/models/d-Q4_K.gguf -ngl 99 --host 127.0.0.1 --port 8096 -c 4096 -np 1 > $W/server-d.log 2>&1 &
+  SP=$!
+  for i in $(seq 60); do curl -sf 127.0.0.1:8096/health >/dev/null && break; sleep 0.5; done
+  TAILN=14 step 90 q4k-server python3 -m ggufcheck diagnose $W/models/d-Q4_K.gguf --no-sanity --no-kernels --engine "http://127.0.0.1:8096?backend=cuda" --json $W/q4k-server.json
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print('  ', s['stage'], r['check'], r['status'], r.get('message','')[:300]) for s in d['stages'] for r in s.get('results',[]) if r['status'] in ('FAIL','ERROR') or r['check']=='paths.cold_prefill']" $W/q4k-server.json
+  kill $SP; wait $SP 2>/dev/null
+fi
+
+if has row79; then  # the ds2 Q4_K row 79 (tools/gpu/row79.py; model and tokens carried in .gpu/row79)
+  TAILN=40 step 200 row79 python3 tools/gpu/row79.py .gpu/row79/cs-ds2-Q4_K.gguf .gpu/row79/tokens.json $B/bin/llama-server
 fi
 
 if has coldserver; then  # issue 37 item 2 on CUDA: llama-server -ngl 99, its batched prefill (paths.cold_prefill) vs its steps

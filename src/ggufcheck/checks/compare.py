@@ -149,14 +149,11 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
                     scorer.planned = planned
 
     if reference is not None:
-        if hasattr(reference, "tie_margin"):  # DSA top-k near-ties the engine's class may flip
-            reference.tie_margin = INDEXER_TIE_MARGINS.get(engine.capabilities.activation_dtype, 0.0)
-        if hasattr(reference, "router_margin"):  # MoE routing near-ties the engine's class may flip
-            stated = ROUTER_TIE_MARGINS.get(engine.capabilities.activation_dtype, 0.0)
-            measured_margin = _measured_router_margin(reference, baseline_engine, seqs)
-            reference.router_margin = max(stated, measured_margin or 0.0)
-        if hasattr(reference, "exact_ties_onward"):
-            reference.exact_ties_onward = True
+        # the DSA top-k and MoE routing near-ties the engine's class may flip: the reference marks them
+        stated = ROUTER_TIE_MARGINS.get(engine.capabilities.activation_dtype, 0.0)
+        measured_margin = _measured_router_margin(reference, baseline_engine, seqs)
+        reference.judge_ties(indexer_margin=INDEXER_TIE_MARGINS.get(engine.capabilities.activation_dtype, 0.0),
+                             router_margin=max(stated, measured_margin or 0.0))
         ref_tables = [reference_score(s) for s in seqs]
         found = detect_offset(ref_tables, tables)
         if found is not None:

@@ -378,6 +378,12 @@ class Engine(abc.ABC):
         the rows the engine computed; a cache hit leaves the cached ones out)."""
         raise Unsupported(f"{self.name} has no prefix cache ggufcheck can exercise")
 
+    def judge_ties(self, *, indexer_margin: float, router_margin: float) -> None:
+        """As the judging reference of an engine whose class may flip near-ties (checks.compare):
+        mark as ambiguous the rows a DSA top-k boundary within ``indexer_margin`` or a MoE routing
+        within ``router_margin`` of another choice decides, and every row after an exact tie.
+        An engine whose scores carry no ambiguity (every one but the reference) ignores it."""
+
     def score_cold(self, tokens: Sequence[int], rows: Sequence[int], *, top_k: int = 20) -> TokenLogprobs:
         """Rows ``rows`` of ``tokens``, each the last row of a request for the tokens up to it
         with the engine's prompt cache off: one prefill of that prefix in one batch, from

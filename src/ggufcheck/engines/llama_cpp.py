@@ -167,6 +167,9 @@ def gpu_rounding(model_path: str | Path, params: Any) -> dict[str, str]:
         # the engine's process reads GGML_CUDA_CUBLAS_COMPUTE_TYPE (engines/spec.py cublas_f32=1 sets it there)
         forced = os.environ.get("GGML_CUDA_CUBLAS_COMPUTE_TYPE", "").lower()
         out["float_sums"] = "cuda-cublas-f32" if forced in ("f32", "fp32") else "cuda"
+    pieces = [int(v) for v in (getattr(params, "n_batch", 0), getattr(params, "n_ubatch", 0)) if v]
+    if pieces:  # a prompt reaches the kernels in pieces of at most this many tokens (the kernel choice)
+        out["ubatch"] = min(pieces)
     return out
 
 

@@ -86,6 +86,9 @@ class ReferenceEngine(GGUFVocabTokenizer, Engine):
     def _table(self, tokens: list[int], logits: Any) -> TokenLogprobs:
         return TokenLogprobs(tokens, self.vocab_size, log_softmax_rows(logits))
 
+    def judge_ties(self, *, indexer_margin: float, router_margin: float) -> None:
+        self.tie_margin, self.router_margin, self.exact_ties_onward = indexer_margin, router_margin, True
+
     def score(self, tokens: Sequence[int], *, top_k: int = 20) -> TokenLogprobs:
         """Prefill log-probs; with a DSA indexer, rows where any layer's top-k has a boundary tie
         are marked ambiguous (an engine may legitimately choose the other key there); with

@@ -117,6 +117,9 @@ class Emulation:
     float_sums: str | None = None
     # the token count of the forward being emulated (for_batch), which picks ggml-cuda's kernel
     tokens: int | None = None
+    # the most tokens the engine puts in one forward (llama.cpp: min(n_batch, n_ubatch)): a longer
+    # prompt reaches its kernels in pieces of this size
+    ubatch: int | None = None
 
     def describe(self) -> str:
         parts = [f"{what} {kind}" for what, kind in (("activations", self.activations),
@@ -137,6 +140,8 @@ class Emulation:
     def for_batch(self, tokens: int) -> "Emulation":
         """The emulation of a forward over ``tokens`` tokens at once: a small batch computes
         as a decode step does (the matrix-vector kernels)."""
+        if self.ubatch:
+            tokens = min(tokens, self.ubatch)
         return replace(self.on_decode() if tokens <= self.decode_batch_max else self, tokens=tokens)
 
     def float_form(self, weight) -> str | None:
