@@ -35,6 +35,33 @@ def test_topk_tail_kl_is_a_lower_bound_of_the_full_kl(llama_tables):
     assert (bound <= full + 1e-9).all() and (bound > 0).all()
 
 
+def test_the_tail_bound_stays_a_lower_bound_and_sees_a_row_the_engine_got_entirely_wrong(llama_tables):
+    """The reference's own top ids the engine's top-k leaves out are bounded by the engine's
+    k-th value: still below the full KL on noisy rows (with the observed token carried from
+    outside the top-k, as vLLM's prompt log-probs do), and on a row whose distribution is another
+    one entirely (the CUDA llama-server's row 79, docs/gpu-evidence.md section 9) near the full
+    KL where the one tail bucket said a fraction of a nat."""
+    rng = np.random.default_rng(1)
+    ref = llama_tables[0]
+    noisy_lp = log_softmax(ref.logprobs + rng.normal(0, 0.5, ref.logprobs.shape)).astype(np.float32)
+    wrong = 5
+    noisy_lp[wrong] = log_softmax(rng.normal(0, 0.3, ref.vocab_size)[None])[0]  # flat, unrelated
+    noisy = TokenLogprobs(ref.tokens, ref.vocab_size, noisy_lp)
+    full = collect([(ref, noisy)]).kl
+    ids, vals = noisy.top_k(10)
+    observed = np.array(list(ref.tokens[1:]) + [0])  # the next token, added where the top-k lacks it
+    ids11 = np.concatenate([ids, np.full((len(ids), 1), -1)], axis=1)
+    vals11 = np.concatenate([vals, np.full((len(ids), 1), -np.inf)], axis=1)
+    for t, tok in enumerate(observed):
+        if tok not in ids[t]:
+            ids11[t, -1], vals11[t, -1] = tok, noisy_lp[t, tok]
+    topk = TokenLogprobs(ref.tokens, ref.vocab_size, topk_ids=ids11, topk_logprobs=vals11)
+    bound = collect([(ref, topk)]).kl
+    assert (bound <= full + 1e-9).all()
+    one_bucket = np.log(1 / max(1 - np.exp(vals[wrong]).sum(), 1e-12))  # what one bucket gives, at most
+    assert bound[wrong] > 0.5 * full[wrong] and bound[wrong] > 3 * one_bucket, (bound[wrong], full[wrong], one_bucket)
+
+
 def test_wilson_interval_brackets_the_rate():
     low, high = wilson_interval(97, 100)
     assert low < 0.97 < high and 0.9 < low and high < 1.0
@@ -130,3 +157,17 @@ def test_argmax_flips_concentrated_on_the_top_tokens_fail():
     assert float(m.kl.mean()) < 1e-3  # below the 8-bit class's KL limit: only the argmax can tell
     result = judge_argmax(m, ALLOWANCES["q8"], LogitTolerance(), kl_limit=0.0151, component="output")
     assert result.status == Status.FAIL, result.message
+
+
+def test_nmse_names_the_one_position_that_carries_it(llama, llama_tables):
+    """A table right everywhere but one row, which is another distribution entirely: the NMSE
+    message names that row (sequence, position, its KL) instead of only the mean."""
+    rng = np.random.default_rng(2)
+    ref = llama_tables[0]
+    lp = ref.logprobs.copy()
+    lp[7] = log_softmax(rng.normal(0, 0.3, ref.vocab_size)[None])[0]
+    ids, vals = TokenLogprobs(ref.tokens, ref.vocab_size, lp).top_k(20)
+    engine = TokenLogprobs(ref.tokens, ref.vocab_size, topk_ids=ids, topk_logprobs=vals)
+    baseline = combined_baseline(None, llama.capabilities.activation_dtype)
+    nmse = next(r for r in judge(collect([(ref, engine)]), baseline) if r.check == "logits.nmse")
+    assert "one position carries" in nmse.message and "sequence 0, position 7" in nmse.message, nmse.message
