@@ -199,7 +199,7 @@ def _topk_tail_kl(reference: TokenLogprobs, engine: TokenLogprobs, rows: np.ndar
     k = engine.topk_ids.shape[1] if engine.topk_ids is not None else 64
     ref_ids, ref_lp = reference.top_k(reference.vocab_size if reference.full else k)
     eng_ids, eng_lp = engine.top_k(engine.vocab_size if engine.full else k)
-    ref_top = reference.top_k(k)[0] if reference.full else None
+    ref_top = ref_ids[:, :k] if reference.full else None  # sorted: the reference's own top k
     for i, t in enumerate(rows):
         r = {int(a): b for a, b in zip(ref_ids[t], ref_lp[t]) if a >= 0}
         e = {int(a): b for a, b in zip(eng_ids[t], eng_lp[t]) if a >= 0}

@@ -447,10 +447,9 @@ class HttpEngine(Engine):
                 for j, (value, tid) in enumerate(pairs):
                     ids[i - 1, j], vals[i - 1, j] = tid, value
                 present[i - 1] = True
-            last = (choice.get("logprobs") or {}).get("top_logprobs") or []
-            if last and isinstance(last[0], dict):
-                pairs = sorted(((float(v), _vllm_token_id(key)) for key, v in last[0].items()), reverse=True)[: k + 1]
-                for j, (value, tid) in enumerate(pairs):
+            last = _vllm_first_top(choice)
+            if last is not None:
+                for j, (tid, value) in enumerate(last[: k + 1]):
                     ids[n - 1, j], vals[n - 1, j] = tid, value
                 present[n - 1] = True
             out.append(TokenLogprobs(tokens, self.vocab_size, topk_ids=ids, topk_logprobs=vals, present=present))
@@ -509,11 +508,10 @@ class HttpEngine(Engine):
                 "return_tokens_as_token_ids": True, "seed": 0}
         if self.model_id:
             body["model"] = self.model_id
-        choice = _field(self.client.post("/v1/completions", body), "choices", 0)
-        top = ((choice.get("logprobs") or {}).get("top_logprobs") or [None])[0]
-        if not isinstance(top, dict):
+        top = _vllm_first_top(_field(self.client.post("/v1/completions", body), "choices", 0))
+        if top is None:
             raise EngineUnreachable("vLLM returned no log-probs for a one-token generation")
-        return sorted(((_vllm_token_id(key), float(v)) for key, v in top.items()), key=lambda e: -e[1])
+        return top
 
     def _prefix_cache_hits(self) -> float | None:
         """The sum of vLLM's ``vllm:prefix_cache_hits`` counters (tokens), or None when absent."""
@@ -680,6 +678,16 @@ def cached_rows(n: int, cached: int, at_most: int = 8) -> list[int]:
     if cached >= n:
         return []
     return sorted({int(round(x)) for x in np.linspace(cached, n - 1, min(at_most, n - cached))})
+
+
+def _vllm_first_top(choice: dict) -> list[tuple[int | None, float]] | None:
+    """[(id, logprob)] of a completion choice's first generated token's top log-probs, highest
+    first (``token_id:N`` keys), or None when the choice has none."""
+    top = ((choice.get("logprobs") or {}).get("top_logprobs") or [None])[0]
+    if not isinstance(top, dict):
+        return None
+    pairs = sorted(((float(v), _vllm_token_id(key)) for key, v in top.items()), key=lambda e: e[0], reverse=True)
+    return [(tid, value) for value, tid in pairs]
 
 
 def _vllm_token_id(key: str) -> int | None:
