@@ -5,7 +5,7 @@
 #
 # Stage first, here: bash tools/gpu/stage_llama_cpp.sh   (fills the git-ignored .gpu/)
 # Device call:       bash tools/gpu/llama_cpp_cuda.sh [STEPS]   with carry [".gpu"]
-#   STEPS: comma-separated subset of build,defectq5k,floatpaths,coldserver,provenance,arith,arithmore,f16moe,f16dense,switches,probe,matrix,matrix2,matrix3,lead,chunklead,families,hfprof,recheck,
+#   STEPS: comma-separated subset of build,defectq5k,floatpaths,coldserver,row79bisect,nb8,fusionmoe,provenance,arith,arithmore,f16moe,f16dense,switches,probe,matrix,matrix2,matrix3,lead,chunklead,families,hfprof,recheck,
 #          recheck2,real,realquick,realhttp,reallead,oplead,envtime,server,
 #          oldlead,hf (default: build,probe,matrix,lead,server,oldlead,hf)
 # Writes $OUT/log.txt-style logs per step, $OUT/results.tgz, and on a fresh build the
@@ -321,6 +321,19 @@ fi
 
 if has row79; then  # the ds2 Q4_K row 79 (tools/gpu/row79.py; model and tokens carried in .gpu/row79)
   TAILN=40 step 200 row79 python3 tools/gpu/row79.py .gpu/row79/cs-ds2-Q4_K.gguf .gpu/row79/tokens.json $B/bin/llama-server
+fi
+
+if has row79bisect; then  # which setting makes row 79 healthy (tools/gpu/row79_bisect.py: fusion, graphs, FA, offload)
+  TAILN=20 step 240 row79bisect python3 tools/gpu/row79_bisect.py .gpu/row79/cs-ds2-Q4_K.gguf .gpu/row79/tokens.json
+fi
+
+if has nb8; then  # issue 36: n_batch=8 with the piece size stated (ubatch): the mma kernels at 2-16 tokens
+  TAILN=16 step 75 nb8-1024 python3 -m ggufcheck quants --width 1024 --types F16,BF16,F32 --engine llama-cpp:n_gpu_layers=99,n_batch=8 --json $W/nb8-1024.json
+fi
+
+if has fusionmoe; then  # routed F16 / F32 / BF16 experts with ggml-cuda's fusions off: is the 3.4x (F32) a fused kernel's?
+  TAILN=16 step 60 moe-fused python3 -m ggufcheck quants --arch qwen3moe --types F16,BF16,F32 --engine llama-cpp:n_gpu_layers=99 --json $W/moe-fused.json
+  GGML_CUDA_DISABLE_FUSION=1 TAILN=16 step 60 moe-nofusion python3 -m ggufcheck quants --arch qwen3moe --types F16,BF16,F32 --engine llama-cpp:n_gpu_layers=99 --json $W/moe-nofusion.json
 fi
 
 if has coldserver; then  # issue 37 item 2 on CUDA: llama-server -ngl 99, its batched prefill (paths.cold_prefill) vs its steps
