@@ -122,6 +122,49 @@ class Scorer:
         self.tables.clear()
 
 
+@dataclass
+class _Run:
+    """One comparison's engines and what they answered so far: the engine under test (realigned
+    when its rows are shifted), its prompt tables, and the judging engines' scorers."""
+
+    engine: Engine
+    seqs: list[list[int]]
+    tables: list[TokenLogprobs]
+    reference: Engine | None
+    baseline_engine: Engine | None
+    options: CompareOptions
+    say: Progress
+    reference_score: Scorer | None = None
+    baseline_score: Scorer | None = None
+    ref_tables: list[TokenLogprobs] | None = None
+
+    def __post_init__(self):
+        if self.reference is not None:
+            self.reference_score = Scorer(self.reference, self.say)
+        if self.baseline_engine is not None:
+            self.baseline_score = Scorer(self.baseline_engine, self.say, keep=False)
+
+    def plan_sweep(self, generations) -> None:
+        """The sweep's sequence, scored first on the judging engines (known once the generations are)."""
+        if self.options.sweep_to and self.reference is not None:
+            planned = tuple(_sweep_sequence(self.engine, self.seqs, generations, self.options))
+            for scorer in (self.reference_score, self.baseline_score):
+                if scorer is not None:
+                    scorer.planned = planned
+
+    def judged_class(self) -> str:
+        """The coarser of the two sides' classes: another engine as the reference rounds too."""
+        return coarsest(self.engine.capabilities.activation_dtype, self.reference.capabilities.activation_dtype)
+
+    def measured(self, refs: Sequence[TokenLogprobs]) -> Baseline:
+        """The baseline run against the reference on these rows (the reference's tables)."""
+        base = [self.baseline_score(r.tokens) for r in refs]
+        return baseline_from(collect(list(zip(refs, base))), self.measured_source())
+
+    def measured_source(self) -> str:
+        return f"measured {_short(self.baseline_engine)} vs {_short(self.reference)}"
+
+
 def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference: Engine | None = None,
                 reference_reason: str = "no reference engine was given", baseline_engine: Engine | None = None,
                 options: CompareOptions = CompareOptions(), progress: Progress | None = None,
@@ -134,190 +177,222 @@ def run_compare(engine: Engine, sequences: Sequence[Sequence[int]], *, reference
         why = declined[0].message if declined else "no prompt of at least 2 tokens"
         return [StageReport(name, results=[skipped(name, "output", f"no prompt was scored: {why}")])
                 for name in ("sanity", "logits", "paths")]
-
-    # served prompt log-probs at the wrong rows (an API dialect) are named first, then every
-    # check judges the realigned rows
-    ref_tables, alignment = None, None
-    reference_score = Scorer(reference, say) if reference is not None else None
-    baseline_score = Scorer(baseline_engine, say, keep=False) if baseline_engine is not None else None
-
-    def plan_sweep(generations) -> None:  # the sweep's sequence, scored first on the judging engines
-        if options.sweep_to and reference is not None:
-            planned = tuple(_sweep_sequence(engine, seqs, generations, options))
-            for scorer in (reference_score, baseline_score):
-                if scorer is not None:
-                    scorer.planned = planned
-
-    if reference is not None:
-        # the DSA top-k and MoE routing near-ties the engine's class may flip: the reference marks them
-        stated = ROUTER_TIE_MARGINS.get(engine.capabilities.activation_dtype, 0.0)
-        measured_margin = _measured_router_margin(reference, baseline_engine, seqs)
-        reference.judge_ties(indexer_margin=INDEXER_TIE_MARGINS.get(engine.capabilities.activation_dtype, 0.0),
-                             router_margin=max(stated, measured_margin or 0.0))
-        ref_tables = [reference_score(s) for s in seqs]
-        found = detect_offset(ref_tables, tables)
-        if found is not None:
-            alignment, offset = found
-            engine = Realigned(engine, offset)
-            tables = [shift_rows(t, offset) for t in tables]
-
-    paths_stage = StageReport("paths", info={"engine": engine.describe()})
-    generations = []
+    run = _Run(engine, seqs, tables, reference, baseline_engine, options, say)
+    alignment = _align(run)
     forced_tables: dict[tuple[int, ...], TokenLogprobs] = {}  # the engine's teacher-forced generations
-    if options.run_paths:
-        popts = PathOptions(max_new_tokens=options.max_new_tokens, decode_prompts=options.decode_prompts,
-                            chunk_sizes=options.chunk_sizes, tolerance=options.tolerance, top_k=options.top_k,
-                            indexer_top_k=options.indexer_top_k, long_decode_to=options.long_decode_to)
-        path_baseline = combined_baseline(None, engine.capabilities.activation_dtype)
-        ambiguity = (lambda seq: reference_score(seq).ambiguous) if reference is not None else None
-
-        def baseline_on(sequences) -> Baseline:  # the logits stage's baseline, on a failing pair's sequences
-            judged = coarsest(engine.capabilities.activation_dtype, reference.capabilities.activation_dtype)
-            if baseline_engine is None:
-                return combined_baseline(None, judged)
-            refs = [reference_score(s) for s in sequences]
-            say(f"scoring {len(refs)} sequences on {baseline_engine.name} (baseline of a failing path pair)")
-            measured = baseline_from(collect([(r, baseline_score(r.tokens)) for r in refs]),
-                                     f"measured {_short(baseline_engine)} vs {_short(reference)}")
-            return combined_baseline(measured, judged)
-
-        results, generations = run_paths(engine, seqs, tables, popts, baseline=path_baseline, long_prompt=long_prompt,
-                                         ambiguity=ambiguity,
-                                         reference_score=reference_score if reference is not None else None,
-                                         reference_baseline=baseline_on if reference is not None else None,
-                                         progress=say, forced_tables=forced_tables, on_generations=plan_sweep)
-        paths_stage.add(results)
-        paths_stage.info["baseline"] = path_baseline.source
-        # what the engine generated (the decode checks' rows), kept with the report: the kernel
-        # matrix measures its emulated decode arithmetic on the same rows
-        paths_stage.info["generations"] = [{"prompt_length": len(g.prompt), "tokens": [int(t) for t in g.sequence]}
-                                           for g in generations]
-    else:
-        paths_stage.add(skipped("paths", "decode", "disabled (--no-paths)"))
-
-    sanity_stage = StageReport("sanity", info={"engine": engine.name})
+    paths_stage, generations = _paths_stage(run, long_prompt, forced_tables)
+    sanity_stage = StageReport("sanity", info={"engine": run.engine.name})
     if options.run_sanity:
-        sanity_stage.add(run_sanity(tables, generations, engine.vocab_size, options.sanity))
+        sanity_stage.add(run_sanity(run.tables, generations, run.engine.vocab_size, options.sanity))
     else:
         sanity_stage.add(skipped("sanity", "output", "disabled (--no-sanity)"))
-
-    logits_stage = StageReport("logits", info={"engine": engine.name})
+    logits_stage = StageReport("logits", info={"engine": run.engine.name})
     if reference is None:
         logits_stage.add(skipped("logits", "output", reference_reason))
     else:
-        if alignment is not None:
-            logits_stage.add(alignment)
-        ignored = input_ignored(ref_tables, _fit_vocab(tables, reference.vocab_size))
-        if ignored is not None:
-            logits_stage.add(ignored)
-        judged_refs, judged_tables = list(ref_tables), list(tables)
-        longest = max(len(q) for q in seqs)
-        for g in generations[:1]:  # the long decode's sequence, teacher-forced: prefill positions past the prompts
-            if len(g.generated) > options.max_new_tokens and len(g.sequence) > longest:
-                long_table = forced_tables.get(tuple(int(t) for t in g.sequence))
-                if long_table is None:
-                    try:
-                        long_table = engine.score(list(g.sequence), top_k=options.top_k)
-                    except Unsupported:
-                        continue
-                judged_refs.append(reference_score(g.sequence))
-                judged_tables.append(long_table)
-        forced_tables.clear()  # [T, V] each: not held through the sweep
-        measured, base_tables = None, None
-        if baseline_engine is not None:  # on the very sequences judged (the long one accumulates more)
-            say(f"scoring {len(judged_refs)} sequences on {baseline_engine.name} (baseline)")
-            base_tables = [baseline_score(r.tokens) for r in judged_refs]
-            measured = baseline_from(collect(list(zip(judged_refs, base_tables))),
-                                     f"measured {_short(baseline_engine)} vs {_short(reference)}")
-        # held to the coarser of the two sides' classes: another engine as the reference rounds too
-        judged_class = coarsest(engine.capabilities.activation_dtype, reference.capabilities.activation_dtype)
-        baseline = combined_baseline(measured, judged_class)
-        metrics = collect(list(zip(judged_refs, _fit_vocab(judged_tables, reference.vocab_size))))
-        tie_note = ""
-        if _mostly_ties(metrics) and base_tables is not None:
-            metrics, baseline, tie_note = _judged_through_ties(
-                judged_refs, _fit_vocab(judged_tables, reference.vocab_size), base_tables, metrics.ambiguous,
-                f"measured {_short(baseline_engine)} vs {_short(reference)}", judged_class)
-        base_tables = None  # [T, V] each: not held through the sweep (1.5 GB on a 262k vocabulary)
-        prefill_checks = judge(metrics, baseline, options.tolerance, detokenize=_detokenizer(engine, reference))
-        prefill = prefill_checks[0].amended(tie_note)
-        skipped_dsa = (_dense_fits_better(reference, seqs, tables, prefill, say)
-                       if prefill.failed and len(prefill_checks) > 1 else None)  # (one check: NaN rows)
-        if prefill.failed and len(prefill_checks) > 1:
-            first = first_divergence(metrics, prefill_checks[1].stats["limit"], landmarks(options))
-            if first is not None:
-                prefill = prefill.amended("; " + first["text"], stats={"first_divergence": first})
-        prefill_checks = [prefill, *prefill_checks[1:]]
-        logits_stage.add(prefill_checks)
-        if skipped_dsa is not None:
-            logits_stage.add(skipped_dsa)
-        sweep = (_sweep(engine, seqs, generations, reference_score, baseline, options, say, baseline_score,
-                        known=judged_tables) if options.sweep_to else None)
-        if baseline_score is not None:
-            baseline_score.forget()  # the sweep's [T, V] baseline table
-        if sweep is not None:
-            logits_stage.add(sweep)
-        logits_stage.info["per_position"] = per_position(metrics, judged_refs, judged_tables,
-                                                         _detokenizer(engine, reference))
-        if len(prefill_checks) > 1:  # the per-position limit, drawn on the KL plots
-            for entry in logits_stage.info["per_position"]:
-                entry["kl_limit"] = prefill_checks[1].stats["limit"]
-        argmax = next((r for r in prefill_checks if r.check == "logits.argmax"), None)
-        if argmax is not None:  # what the argmax check counted, said on its plot (exact rows plotted)
-            n = int(argmax.stats["n"])
-            for entry in logits_stage.info["per_position"]:
-                entry["argmax_check"] = {"agree": round(argmax.stats["agreement"] * n), "exact":
-                                         round(argmax.stats["exact"] * n), "n": n}
-        if generations:
-            say(f"scoring {len(generations)} greedy continuations on {reference.name} (decode vs reference)")
-            decode_pairs = [(_ambiguous_onwards(reference_score(g.sequence), g), g.steps) for g in generations]
-            decode_metrics = collect(decode_pairs)
-            decode_baseline, decode_note = baseline, ""
-            if _mostly_ties(decode_metrics) and baseline_engine is not None:
-                refs = [reference_score(g.sequence) for g in generations]
-                decode_metrics, decode_baseline, decode_note = _judged_through_ties(
-                    refs, [g.steps for g in generations], [baseline_score(r.tokens) for r in refs],
-                    decode_metrics.ambiguous, f"measured {_short(baseline_engine)} vs {_short(reference)}",
-                    judged_class)
-            checks = judge(decode_metrics, decode_baseline, options.tolerance, component="decode")
-            steps = ", ".join(str(len(g.generated)) for g in generations)
-            decode = checks[0].amended(decode_note, message=f"decode steps vs the reference ({steps} steps): "
-                                                            + checks[0].message, check="logits.decode_kl_mean")
-            if decode.failed and len(checks) > 1:
-                first = first_divergence(decode_metrics, checks[1].stats["limit"], landmarks(options))
-                if first is not None:
-                    decode = decode.amended("; " + first["text"], stats={"first_divergence": first})
-            if decode.failed and prefill.failed:
-                decode = decode.amended(component="output")  # both paths wrong: not a decode-path fault
-            # where the decode parts from the prefill, layer by layer (the paths stage traced it)
-            traced = next((r for r in paths_stage.results if r.check == "paths.prefill_vs_decode" and r.failed
-                           and r.stats.get("localized", {}).get("layer") is not None), None)
-
-            def at_layer(result: Result) -> Result:
-                if traced is None or not result.failed or result.component != "decode":
-                    return result
-                return result.amended("; " + traced.stats["localized"]["text"], layer=traced.layer,
-                                      stats={"localized": traced.stats["localized"]})
-
-            decode = at_layer(decode)
-            logits_stage.add(decode)
-            if not decode.failed and baseline_engine is not None:
-                arithmetic = _decode_arithmetic(reference_score, baseline_engine, generations, options.max_new_tokens)
-                if arithmetic is not None:
-                    logits_stage.add(arithmetic)
-            blame = at_layer(_which_path(prefill, decode))
-            if blame.failed and blame.component == "prefill" and sweep is not None and sweep.failed \
-                    and sweep.stats.get("threshold"):  # the length where the prefill goes wrong, and its owner
-                blame = blame.amended("; " + sweep.message, component=sweep.component)
-            logits_stage.add(blame)
-        logits_stage.info.update({
-            "reference": reference.name, "baseline": baseline.source,
-            "measured_baseline": None if measured is None else vars(measured),
-            "kl": distribution(metrics.kl), "argmax_agreement": float(metrics.agree.mean()) if metrics.n else None,
-            "positions": metrics.n, "full_vocab": metrics.full_vocab,
-        })
+        _logits_stage(run, logits_stage, alignment, generations, forced_tables, paths_stage)
     logits_stage.add(declined)
     return [sanity_stage, logits_stage, paths_stage]
+
+
+def _align(run: _Run) -> Result | None:
+    """The reference's prompt tables (near-ties marked for the engine's class); served prompt
+    log-probs at the wrong rows (an API dialect) are named, and every check judges the
+    realigned rows: the alignment Result, or None."""
+    if run.reference is None:
+        return None
+    # the DSA top-k and MoE routing near-ties the engine's class may flip: the reference marks them
+    dtype = run.engine.capabilities.activation_dtype
+    measured_margin = _measured_router_margin(run.reference, run.baseline_engine, run.seqs)
+    run.reference.judge_ties(indexer_margin=INDEXER_TIE_MARGINS.get(dtype, 0.0),
+                             router_margin=max(ROUTER_TIE_MARGINS.get(dtype, 0.0), measured_margin or 0.0))
+    run.ref_tables = [run.reference_score(s) for s in run.seqs]
+    found = detect_offset(run.ref_tables, run.tables)
+    if found is None:
+        return None
+    alignment, offset = found
+    run.engine = Realigned(run.engine, offset)
+    run.tables = [shift_rows(t, offset) for t in run.tables]
+    return alignment
+
+
+def _paths_stage(run: _Run, long_prompt, forced_tables) -> tuple[StageReport, list]:
+    """The engine against itself (checks.paths): the report and the greedy generations."""
+    engine, options, reference, say = run.engine, run.options, run.reference, run.say
+    paths_stage = StageReport("paths", info={"engine": engine.describe()})
+    if not options.run_paths:
+        paths_stage.add(skipped("paths", "decode", "disabled (--no-paths)"))
+        return paths_stage, []
+    popts = PathOptions(max_new_tokens=options.max_new_tokens, decode_prompts=options.decode_prompts,
+                        chunk_sizes=options.chunk_sizes, tolerance=options.tolerance, top_k=options.top_k,
+                        indexer_top_k=options.indexer_top_k, long_decode_to=options.long_decode_to)
+    path_baseline = combined_baseline(None, engine.capabilities.activation_dtype)
+    ambiguity = (lambda seq: run.reference_score(seq).ambiguous) if reference is not None else None
+
+    def baseline_on(sequences) -> Baseline:  # the logits stage's baseline, on a failing pair's sequences
+        if run.baseline_engine is None:
+            return combined_baseline(None, run.judged_class())
+        refs = [run.reference_score(s) for s in sequences]
+        say(f"scoring {len(refs)} sequences on {run.baseline_engine.name} (baseline of a failing path pair)")
+        return combined_baseline(run.measured(refs), run.judged_class())
+
+    results, generations = run_paths(engine, run.seqs, run.tables, popts, baseline=path_baseline,
+                                     long_prompt=long_prompt, ambiguity=ambiguity,
+                                     reference_score=run.reference_score if reference is not None else None,
+                                     reference_baseline=baseline_on if reference is not None else None,
+                                     progress=say, forced_tables=forced_tables, on_generations=run.plan_sweep)
+    paths_stage.add(results)
+    paths_stage.info["baseline"] = path_baseline.source
+    # what the engine generated (the decode checks' rows), kept with the report: the kernel
+    # matrix measures its emulated decode arithmetic on the same rows
+    paths_stage.info["generations"] = [{"prompt_length": len(g.prompt), "tokens": [int(t) for t in g.sequence]}
+                                       for g in generations]
+    return paths_stage, generations
+
+
+def _judged_rows(run: _Run, generations, forced_tables) -> tuple[list[TokenLogprobs], list[TokenLogprobs]]:
+    """The reference's and the engine's tables the prefill is judged on: the prompts, and the
+    long decode's sequence teacher-forced (prefill positions past the prompts)."""
+    judged_refs, judged_tables = list(run.ref_tables), list(run.tables)
+    longest = max(len(q) for q in run.seqs)
+    for g in generations[:1]:
+        if len(g.generated) > run.options.max_new_tokens and len(g.sequence) > longest:
+            long_table = forced_tables.get(tuple(int(t) for t in g.sequence))
+            if long_table is None:
+                try:
+                    long_table = run.engine.score(list(g.sequence), top_k=run.options.top_k)
+                except Unsupported:
+                    continue
+            judged_refs.append(run.reference_score(g.sequence))
+            judged_tables.append(long_table)
+    forced_tables.clear()  # [T, V] each: not held through the sweep
+    return judged_refs, judged_tables
+
+
+def _logits_stage(run: _Run, stage: StageReport, alignment: Result | None, generations, forced_tables,
+                  paths_stage: StageReport) -> None:
+    """The engine against the reference: the prefill, the length sweep, the decode steps, and
+    which path owns a failure."""
+    engine, reference, options, say = run.engine, run.reference, run.options, run.say
+    if alignment is not None:
+        stage.add(alignment)
+    ignored = input_ignored(run.ref_tables, _fit_vocab(run.tables, reference.vocab_size))
+    if ignored is not None:
+        stage.add(ignored)
+    judged_refs, judged_tables = _judged_rows(run, generations, forced_tables)
+    prefill_checks, metrics, baseline, measured = _judge_prefill(run, judged_refs, judged_tables)
+    prefill = prefill_checks[0]
+    stage.add(prefill_checks)
+    skipped_dsa = (_dense_fits_better(reference, run.seqs, run.tables, prefill, say)
+                   if prefill.failed and len(prefill_checks) > 1 else None)  # (one check: NaN rows)
+    if skipped_dsa is not None:
+        stage.add(skipped_dsa)
+    sweep = (_sweep(engine, run.seqs, generations, run.reference_score, baseline, options, say, run.baseline_score,
+                    known=judged_tables) if options.sweep_to else None)
+    if run.baseline_score is not None:
+        run.baseline_score.forget()  # the sweep's [T, V] baseline table
+    if sweep is not None:
+        stage.add(sweep)
+    stage.info["per_position"] = _plotted_positions(metrics, judged_refs, judged_tables, prefill_checks,
+                                                    _detokenizer(engine, reference))
+    if generations:
+        stage.add(_judge_decode(run, generations, baseline, prefill, sweep, paths_stage))
+    stage.info.update({
+        "reference": reference.name, "baseline": baseline.source,
+        "measured_baseline": None if measured is None else vars(measured),
+        "kl": distribution(metrics.kl), "argmax_agreement": float(metrics.agree.mean()) if metrics.n else None,
+        "positions": metrics.n, "full_vocab": metrics.full_vocab,
+    })
+
+
+def _judge_prefill(run: _Run, judged_refs, judged_tables):
+    """The prefill's checks (the first amended with ties and where it first diverges), its
+    metrics, the baseline it was held to, and the measured baseline (or None)."""
+    reference, options = run.reference, run.options
+    measured, base_tables = None, None
+    if run.baseline_engine is not None:  # on the very sequences judged (the long one accumulates more)
+        run.say(f"scoring {len(judged_refs)} sequences on {run.baseline_engine.name} (baseline)")
+        base_tables = [run.baseline_score(r.tokens) for r in judged_refs]
+        measured = baseline_from(collect(list(zip(judged_refs, base_tables))), run.measured_source())
+    judged_class = run.judged_class()
+    baseline = combined_baseline(measured, judged_class)
+    fitted = _fit_vocab(judged_tables, reference.vocab_size)
+    metrics = collect(list(zip(judged_refs, fitted)))
+    tie_note = ""
+    if _mostly_ties(metrics) and base_tables is not None:
+        metrics, baseline, tie_note = _judged_through_ties(judged_refs, fitted, base_tables, metrics.ambiguous,
+                                                           run.measured_source(), judged_class)
+    del base_tables  # [T, V] each: not held through the sweep (1.5 GB on a 262k vocabulary)
+    checks = judge(metrics, baseline, options.tolerance, detokenize=_detokenizer(run.engine, reference))
+    prefill = checks[0].amended(tie_note)
+    if prefill.failed and len(checks) > 1:
+        first = first_divergence(metrics, checks[1].stats["limit"], landmarks(options))
+        if first is not None:
+            prefill = prefill.amended("; " + first["text"], stats={"first_divergence": first})
+    return [prefill, *checks[1:]], metrics, baseline, measured
+
+
+def _plotted_positions(metrics, judged_refs, judged_tables, prefill_checks, detokenize) -> list[dict]:
+    """Per-position rows for the report's plots, with the per-position limit and what the argmax
+    check counted."""
+    entries = per_position(metrics, judged_refs, judged_tables, detokenize)
+    if len(prefill_checks) > 1:  # the per-position limit, drawn on the KL plots
+        for entry in entries:
+            entry["kl_limit"] = prefill_checks[1].stats["limit"]
+    argmax = next((r for r in prefill_checks if r.check == "logits.argmax"), None)
+    if argmax is not None:  # what the argmax check counted, said on its plot (exact rows plotted)
+        n = int(argmax.stats["n"])
+        for entry in entries:
+            entry["argmax_check"] = {"agree": round(argmax.stats["agreement"] * n), "exact":
+                                     round(argmax.stats["exact"] * n), "n": n}
+    return entries
+
+
+def _judge_decode(run: _Run, generations, baseline: Baseline, prefill: Result, sweep: Result | None,
+                  paths_stage: StageReport) -> list[Result]:
+    """The greedy continuations against the reference (decode steps), the decode against the
+    arithmetic the engine states, and which path owns a failure."""
+    reference, options = run.reference, run.options
+    run.say(f"scoring {len(generations)} greedy continuations on {reference.name} (decode vs reference)")
+    decode_pairs = [(_ambiguous_onwards(run.reference_score(g.sequence), g), g.steps) for g in generations]
+    decode_metrics = collect(decode_pairs)
+    decode_baseline, decode_note = baseline, ""
+    if _mostly_ties(decode_metrics) and run.baseline_engine is not None:
+        refs = [run.reference_score(g.sequence) for g in generations]
+        decode_metrics, decode_baseline, decode_note = _judged_through_ties(
+            refs, [g.steps for g in generations], [run.baseline_score(r.tokens) for r in refs],
+            decode_metrics.ambiguous, run.measured_source(), run.judged_class())
+    checks = judge(decode_metrics, decode_baseline, options.tolerance, component="decode")
+    steps = ", ".join(str(len(g.generated)) for g in generations)
+    decode = checks[0].amended(decode_note, message=f"decode steps vs the reference ({steps} steps): "
+                                                    + checks[0].message, check="logits.decode_kl_mean")
+    if decode.failed and len(checks) > 1:
+        first = first_divergence(decode_metrics, checks[1].stats["limit"], landmarks(options))
+        if first is not None:
+            decode = decode.amended("; " + first["text"], stats={"first_divergence": first})
+    if decode.failed and prefill.failed:
+        decode = decode.amended(component="output")  # both paths wrong: not a decode-path fault
+    # where the decode parts from the prefill, layer by layer (the paths stage traced it)
+    traced = next((r for r in paths_stage.results if r.check == "paths.prefill_vs_decode" and r.failed
+                   and r.stats.get("localized", {}).get("layer") is not None), None)
+
+    def at_layer(result: Result) -> Result:
+        if traced is None or not result.failed or result.component != "decode":
+            return result
+        return result.amended("; " + traced.stats["localized"]["text"], layer=traced.layer,
+                              stats={"localized": traced.stats["localized"]})
+
+    results = [at_layer(decode)]
+    if not results[0].failed and run.baseline_engine is not None:
+        arithmetic = _decode_arithmetic(run.reference_score, run.baseline_engine, generations, options.max_new_tokens)
+        if arithmetic is not None:
+            results.append(arithmetic)
+    blame = at_layer(_which_path(prefill, results[0]))
+    if blame.failed and blame.component == "prefill" and sweep is not None and sweep.failed \
+            and sweep.stats.get("threshold"):  # the length where the prefill goes wrong, and its owner
+        blame = blame.amended("; " + sweep.message, component=sweep.component)
+    results.append(blame)
+    return results
 
 
 def _decode_arithmetic(reference_score, baseline_engine, generations, steps: int) -> Result | None:
