@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from ggufcheck.checks.logits import collect
-from ggufcheck.reference.precision import Emulation, emulation_for, matmul_weight_types, round_as
+from ggufcheck.gguf.matmuls import matmul_weight_types
+from ggufcheck.reference.precision import Emulation, emulation_for, round_as
 
 
 def test_q8_0_rounding_is_gguf_pys_quantize_dequantize():

@@ -241,7 +241,8 @@ class Session:
     def emulation(self, engine: Any | None = None) -> dict:
         """``emulate=`` for a reference baseline: the precision class of ``engine`` (default: the
         session's engine; reference.precision)."""
-        from ggufcheck.reference.precision import emulation_of, matmul_weight_types
+        from ggufcheck.gguf.matmuls import matmul_weight_types
+        from ggufcheck.reference.precision import emulation_of
 
         if engine is None:
             engine = self._engine if self._engine is not None else (self.engine() if self.options.engine else None)

@@ -142,6 +142,7 @@ def gpu_rounding(model_path: str | Path, params: Any) -> dict[str, str]:
     precision.py SUMS_FORMS, docs/real-world-cases.md case 4. F16 / BF16 weights' matmuls in
     f16 / bf16; F32 and F16 weights on the tensor cores past a few tokens (``float_sums``
     ``cuda``: TF32 operands, cuBLAS's F16 compute type); the KV cache as on CPU."""
+    from ggufcheck.gguf.matmuls import matmul_weight_types, routed_expert_types
     from ggufcheck.gguf.reader import open_gguf  # not reference.precision: it imports torch, which a
     # CUDA libllama must never meet in its process (engines/isolated.py)
 
@@ -154,10 +155,8 @@ def gpu_rounding(model_path: str | Path, params: Any) -> dict[str, str]:
         out["outputs"] = act
     with open_gguf(model_path) as model:
         types = {t.qtype.name for t in model.tensors.values() if len(t.ne) >= 2}
-        expert_types = {t.qtype.name for name, t in model.tensors.items() if "_exps." in name}
-        head = "output.weight" if "output.weight" in model.tensors else "token_embd.weight"  # tied: the embedding
-        matmuls = {t.qtype.name for name, t in model.tensors.items()
-                   if len(t.ne) >= 2 and (name.startswith("blk.") or name == head)}
+        expert_types = routed_expert_types(model.tensors)
+        matmuls = set(matmul_weight_types(model.tensors))
     if types & (CUDA_MMQ_SUM_TYPES | CUDA_MMVQ_SUM_TYPES):
         out["block_sums"] = "cuda-mmq"
         out["decode_block_sums"] = "cuda-mmvq"

@@ -319,10 +319,3 @@ def emulation_for(activation_class: str, weight_types: list[str]) -> Emulation |
         k_share = sum(t in K_QUANTS for t in quantized) / len(quantized)
         return Emulation(activations="q8_k" if k_share > 0.5 else "q8_0", kv="f16")
     return None
-
-
-def matmul_weight_types(tensors) -> list[str]:
-    """The ggml type names of a GGUF's 2-D+ layer weights and output head (``tensors``: name ->
-    TensorInfo), the ones an engine multiplies activations with."""
-    return [info.type_name for name, info in tensors.items()
-            if len(info.shape) >= 2 and (name.startswith("blk.") or name == "output.weight")]

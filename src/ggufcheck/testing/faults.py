@@ -750,7 +750,8 @@ def _cuda_emulation(model_path: str | Path):
     from dataclasses import replace
 
     from ggufcheck.gguf.reader import open_gguf
-    from ggufcheck.reference.precision import Emulation, emulation_for, matmul_weight_types
+    from ggufcheck.gguf.matmuls import matmul_weight_types
+    from ggufcheck.reference.precision import Emulation, emulation_for
 
     with open_gguf(model_path) as g:
         types = matmul_weight_types(g.tensors)
