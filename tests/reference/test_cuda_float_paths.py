@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ggufcheck.reference.precision import (CUDA_F32_VECTOR_MAX, CUDA_MMF_MAX, Emulation, emulating,
-                                           linear_f16_sums, round_tf32)
+                                           linear_f16_sums, round_tf32, truncate_tf32)
 
 
 def tf32_by_frexp(v: float) -> float:
@@ -34,6 +34,26 @@ def test_tf32_rounding_matches_per_value_arithmetic():
     want = np.array([tf32_by_frexp(float(x)) for x in v])
     assert np.array_equal(got, want)
     assert torch.isnan(round_tf32(torch.tensor([float("nan")], dtype=torch.float64))).all()
+
+
+def tf32_cut_by_frexp(v: float) -> float:
+    """v cut to 11 significant bits (TF32: 10 stored), toward zero."""
+    if v == 0 or not math.isfinite(v):
+        return v
+    m, e = math.frexp(v)
+    return math.copysign(math.floor(abs(m) * 2 ** 11) * 2.0 ** (e - 11), v)
+
+
+def test_tf32_truncation_matches_per_value_arithmetic():
+    """What a tf32 mma makes of raw f32 bits (ggml's mmf kernels): the low 13 bits ignored."""
+    rng = np.random.default_rng(3)
+    v = np.concatenate([rng.normal(0, 1, 2000), rng.normal(0, 1e-20, 200), rng.normal(0, 1e20, 200),
+                        [0.0, -0.0, 1.0, -1.0, 1 + 2 ** -11, -(1 + 2 ** -12), 65504.0]]).astype(np.float32)
+    got = truncate_tf32(torch.from_numpy(v.astype(np.float64))).numpy()
+    want = np.array([tf32_cut_by_frexp(float(x)) for x in v])
+    assert np.array_equal(got, want)
+    assert (np.abs(got) <= np.abs(v)).all() and not np.array_equal(got, round_tf32(torch.from_numpy(
+        v.astype(np.float64))).numpy())
 
 
 def f16_sums_numpy(x: np.ndarray, w: np.ndarray, step: int = 16) -> np.ndarray:
@@ -75,16 +95,31 @@ def tagged(t: torch.Tensor, kind: str) -> torch.Tensor:
     return t
 
 
-@pytest.mark.parametrize("kind,limit,form", [("F32", CUDA_F32_VECTOR_MAX, "tf32"), ("F16", CUDA_MMF_MAX, "f16-sums")])
-def test_the_kernel_follows_ggml_cudas_column_limits(kind, limit, form):
-    """mmvf.cu: F32 weights take the f32 vector kernel for at most 3 columns; mmf.cu: past 16
-    columns F16 weights go to cuBLAS (CUBLAS_COMPUTE_16F); quantized weights are not touched."""
-    weight = tagged(torch.zeros(4, 4, dtype=torch.float64), kind)
+def fits(kind: str) -> torch.Tensor:  # a shape ggml's mma kernels (mmf) take: 32-multiples of rows and values
+    return tagged(torch.zeros(64, 128, dtype=torch.float64), kind)
+
+
+@pytest.mark.parametrize("kind,limit,small,mmf,cublas", [("F32", CUDA_F32_VECTOR_MAX, "vector", "tf32-rz", "tf32"),
+                                                         ("F16", 1, "vector", "mma", "f16-sums")])
+def test_the_kernel_follows_ggml_cudas_column_limits(kind, limit, small, mmf, cublas):
+    """mmvf.cu: F32 weights take the f32 vector kernel for at most 3 columns, F16 for one; ggml's
+    mma kernels (mmf.cu) up to 16 columns (F32 as raw bits to the tf32 instruction: cut), then
+    cuBLAS (TF32 math, to nearest; F16: CUBLAS_COMPUTE_16F); quantized weights are not touched."""
     stated = Emulation(float_sums="cuda")
-    assert stated.for_batch(limit).float_form(weight) == (None if kind == "F32" else "mma")
-    assert stated.for_batch(limit + 1).float_form(weight) == form
-    assert Emulation().for_batch(limit + 1).float_form(weight) is None  # not stated: exact
-    assert stated.for_batch(64).float_form(tagged(torch.zeros(4, 4), "Q4_K")) is None
+    assert stated.for_batch(limit).float_form(fits(kind)) == small
+    assert stated.for_batch(limit + 1).float_form(fits(kind)) == mmf
+    assert stated.for_batch(CUDA_MMF_MAX).float_form(fits(kind)) == mmf
+    assert stated.for_batch(CUDA_MMF_MAX + 1).float_form(fits(kind)) == cublas
+    assert Emulation().for_batch(limit + 1).float_form(fits(kind)) is None  # not stated: exact
+    assert stated.for_batch(64).float_form(tagged(torch.zeros(64, 128), "Q4_K")) is None
+
+
+def test_a_shape_mmf_does_not_take_goes_to_cublas():
+    """mmf.cu's shape rule: a router of 8 experts (8 rows) is multiplied by cuBLAS at 2-16 tokens."""
+    stated = Emulation(float_sums="cuda")
+    assert stated.for_batch(8).float_form(tagged(torch.zeros(8, 128), "F32")) == "tf32"
+    assert stated.for_batch(8).float_form(tagged(torch.zeros(8, 128), "F16")) == "f16-sums"
+    assert stated.for_batch(8).float_form(tagged(torch.zeros(64, 96), "F16")) == "f16-sums"  # 96 % 64
 
 
 def test_the_reference_multiplies_through_the_stated_path(tiny_gguf):
@@ -107,28 +142,44 @@ def test_the_reference_multiplies_through_the_stated_path(tiny_gguf):
 
 
 def test_one_token_and_bf16_take_their_kernels_rounding():
-    """mmvf (one column): f32 activations, sums and result; BF16 past 16 tokens: cuBLAS with f32
-    sums and a bf16 result, which the class's own rounding (activations / outputs bf16) is."""
+    """mmvf (one column): f32 activations, sums and result; BF16 in mmf and in cuBLAS: bf16
+    operands, f32 sums and an f32 result (ggml-cuda.cu: prefer_f32_output on NVIDIA)."""
     stated = Emulation(float_sums="cuda")
     for kind in ("F16", "BF16"):
-        assert stated.for_batch(1).float_form(tagged(torch.zeros(4, 4), kind)) == "vector"
-        assert stated.for_batch(8).float_form(tagged(torch.zeros(4, 4), kind)) == "mma"
-    assert stated.for_batch(64).float_form(tagged(torch.zeros(4, 4), "BF16")) is None
+        assert stated.for_batch(1).float_form(fits(kind)) == "vector"
+        assert stated.for_batch(8).float_form(fits(kind)) == "mma"
+    assert stated.for_batch(64).float_form(fits("BF16")) == "mma"
+
+
+def expert(kind: str, rows: int = 64, glu: bool = False) -> torch.Tensor:
+    w = tagged(torch.zeros(rows, 128), kind)
+    w.ggml_expert = True
+    if glu:
+        w.ggml_glu = True
+    return w
 
 
 def test_routed_experts_follow_mul_mat_id_and_cublas_f32_turns_f16_into_tf32():
-    """mul_mat_id (ggml_cuda_mul_mat_id): F32 experts take the mmf kernels (tf32 mma) at any
-    token count, F16 experts the mmf ones (f32 sums) up to 512 tokens, cuBLAS past that;
-    GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32 makes cuBLAS multiply F16 as F32 in TF32 math."""
-    f32_expert, f16_expert = tagged(torch.zeros(4, 4), "F32"), tagged(torch.zeros(4, 4), "F16")
-    f32_expert.ggml_expert = f16_expert.ggml_expert = True
+    """mul_mat_id (ggml_cuda_mul_mat_id): experts take ggml's mma kernels up to 512 tokens (128
+    for experts of over 1024 rows; F32 cut to TF32), cuBLAS past that; on one token the gate and
+    up are fused with the GLU into the f32 vector kernel (F16 / BF16 stacks of at most 512 rows),
+    unless fusion is off; GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32 makes cuBLAS multiply F16 in TF32."""
     stated = Emulation(float_sums="cuda")
-    assert stated.for_batch(1).float_form(f32_expert) == "tf32"
-    assert stated.for_batch(64).float_form(f16_expert) == "mma"
-    assert stated.for_batch(600).float_form(f16_expert) == "f16-sums"
+    assert stated.for_batch(1).float_form(expert("F32")) == "tf32-rz"  # down
+    assert stated.for_batch(1).float_form(expert("F32", glu=True)) == "vector"
+    assert stated.for_batch(1).float_form(expert("F32", rows=2048, glu=True)) == "vector"
+    assert Emulation(float_sums="cuda", glu_fusion=False).for_batch(1).float_form(expert("F32", glu=True)) \
+        == "tf32-rz"
+    assert stated.for_batch(1).float_form(expert("F16", glu=True)) == "vector"
+    assert stated.for_batch(1).float_form(expert("F16", rows=768, glu=True)) == "mma"
+    assert stated.for_batch(1).float_form(expert("F16")) == "mma"
+    assert stated.for_batch(64).float_form(expert("F16")) == "mma"
+    assert stated.for_batch(600).float_form(expert("F16")) == "f16-sums"
+    assert stated.for_batch(200).float_form(expert("F16", rows=2048)) == "f16-sums"
+    assert stated.for_batch(200).float_form(expert("F32", rows=2048)) == "tf32"
     forced = Emulation(float_sums="cuda-cublas-f32")
-    assert forced.for_batch(64).float_form(tagged(torch.zeros(4, 4), "F16")) == "tf32"
-    assert forced.for_batch(2).float_form(tagged(torch.zeros(4, 4), "F16")) == "mma"
+    assert forced.for_batch(64).float_form(fits("F16")) == "tf32"
+    assert forced.for_batch(2).float_form(fits("F16")) == "mma"
 
 
 def test_the_engine_states_cublas_f32_when_its_process_forces_it(tiny_gguf, monkeypatch):
@@ -172,7 +223,7 @@ def test_a_prompt_in_pieces_takes_the_pieces_kernels(tiny_gguf):
 
     from ggufcheck.engines.llama_cpp import gpu_rounding
 
-    f16 = tagged(torch.zeros(4, 4), "F16")
+    f16 = fits("F16")
     assert Emulation(float_sums="cuda").for_batch(64).float_form(f16) == "f16-sums"
     pieces = Emulation(float_sums="cuda", ubatch=8, block_sums="cuda-mmq", decode_block_sums="cuda-mmvq")
     assert pieces.for_batch(64).float_form(f16) == "mma" and pieces.for_batch(64).block_sums == "cuda-mmvq"

@@ -5,7 +5,7 @@
 #
 # Stage first, here: bash tools/gpu/stage_llama_cpp.sh   (fills the git-ignored .gpu/)
 # Device call:       bash tools/gpu/llama_cpp_cuda.sh [STEPS]   with carry [".gpu"]
-#   STEPS: comma-separated subset of build,defectq5k,floatpaths,coldserver,row79bisect,nb8,fusionmoe,provenance,arith,arithmore,f16moe,f16dense,switches,probe,matrix,matrix2,matrix3,lead,chunklead,families,hfprof,recheck,
+#   STEPS: comma-separated subset of build,defectq5k,floatpaths,coldserver,row79bisect,nb8,fusionmoe,floatpaths3,provenance,arith,arithmore,f16moe,f16dense,switches,probe,matrix,matrix2,matrix3,lead,chunklead,families,hfprof,recheck,
 #          recheck2,real,realquick,realhttp,reallead,oplead,envtime,server,
 #          oldlead,hf (default: build,probe,matrix,lead,server,oldlead,hf)
 # Writes $OUT/log.txt-style logs per step, $OUT/results.tgz, and on a fresh build the
@@ -321,6 +321,16 @@ fi
 
 if has row79; then  # the ds2 Q4_K row 79 (tools/gpu/row79.py; model and tokens carried in .gpu/row79)
   TAILN=40 step 200 row79 python3 tools/gpu/row79.py .gpu/row79/cs-ds2-Q4_K.gguf .gpu/row79/tokens.json $B/bin/llama-server
+fi
+
+if has floatpaths3; then  # after the source-read rules (TF32 cut in ggml's mma kernels, fused one-token gate / up,
+  # BF16 with f32 results): the same rows as floatpaths2, each should land near 1x
+  TAILN=16 step 60 fp3-moe python3 -m ggufcheck quants --arch qwen3moe --types F16,BF16,F32 --engine llama-cpp:n_gpu_layers=99 --json $W/fp3-moe.json
+  TAILN=16 step 75 fp3-1024 python3 -m ggufcheck quants --width 1024 --types F16,BF16,F32 --engine llama-cpp:n_gpu_layers=99 --json $W/fp3-1024.json
+  TAILN=16 step 60 fp3-256 python3 -m ggufcheck quants --types F16,BF16,F32 --engine llama-cpp:n_gpu_layers=99 --json $W/fp3-256.json
+  TAILN=16 step 75 fp3-1024-nb8 python3 -m ggufcheck quants --width 1024 --types F16,BF16,F32 --engine llama-cpp:n_gpu_layers=99,n_batch=8 --json $W/fp3-1024-nb8.json
+  TAILN=16 step 75 fp3-1024-cublas32 python3 -m ggufcheck quants --width 1024 --types F16,F32 --engine llama-cpp:n_gpu_layers=99,cublas_f32=1 --json $W/fp3-1024-cublas32.json
+  TAILN=16 step 60 fp3-moe-nofusion python3 -m ggufcheck quants --arch qwen3moe --types F16,F32 --engine llama-cpp:n_gpu_layers=99,cuda_fusion=0 --json $W/fp3-moe-nofusion.json
 fi
 
 if has row79bisect; then  # which setting makes row 79 healthy (tools/gpu/row79_bisect.py: fusion, graphs, FA, offload)

@@ -19,7 +19,8 @@ from torch import Tensor
 
 from ggufcheck.reference.config import ReferenceConfig, YarnConfig
 from ggufcheck.reference.precision import current as current_emulation
-from ggufcheck.reference.precision import gelu_tanh, linear_f16_sums, round_as, round_tf32, unrounded_sums_error
+from ggufcheck.reference.precision import (gelu_tanh, linear_f16_sums, round_as, round_tf32, truncate_tf32,
+                                          unrounded_sums_error)
 from ggufcheck.reference.weights import ExpertStack, RowBlocked
 
 # --- norms ---------------------------------------------------------------------------
@@ -169,6 +170,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     float_form = emulation.float_form(weight)  # ggml-cuda's tensor-core paths for F32 / F16 weights
     if float_form == "tf32":
         return torch.nn.functional.linear(round_tf32(x), round_tf32(weight), bias)
+    if float_form == "tf32-rz":
+        return torch.nn.functional.linear(truncate_tf32(x), truncate_tf32(weight), bias)
     if float_form == "f16-sums":
         return linear_f16_sums(x, weight, bias)
     if float_form == "vector":  # ggml's f32 vector kernel: the weights' own values, nothing else rounds
@@ -279,6 +282,7 @@ def moe(x: Tensor, ids: Tensor, weights: Tensor, gate_exps: Tensor, up_exps: Ten
     for e in torch.unique(ids).tolist():
         tok, slot = torch.nonzero(ids == e, as_tuple=True)  # tokens that chose e, and where
         gate, up, down = (_expert(stack, e) for stack in (gate_exps, up_exps, down_exps))
+        gate.ggml_glu = up.ggml_glu = True  # multiplied with the GLU (a CUDA engine fuses them: float_form)
         if act == "swiglu_oai":
             xe = x[tok]
             g = linear(xe, gate, None if b_gate is None else b_gate[e])

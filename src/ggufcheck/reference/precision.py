@@ -79,6 +79,11 @@ _LEGACY = SumsForm()
 CUDA_F32_VECTOR_MAX = 3
 CUDA_MMF_MAX = 16
 CUDA_MMF_EXPERTS_MAX = 512  # mul_mat_id (expert matrices of at most 1024 rows; wider ones: 128)
+CUDA_MMF_EXPERTS_MAX_WIDE = 128
+CUDA_MMF_EXPERTS_ROWS = 1024
+# mmvf.cu ggml_cuda_should_use_mmvf on a 3-D F16 / BF16 stack: at most 512 rows (the fused
+# one-token gate / up of routed experts); F32 stacks take it whatever their rows
+CUDA_MMVF_STACK_ROWS = 512
 F16_SUM_STEP = 16
 # from ggml-cuda (llama.cpp, ggml 0.25): vecdotq.cuh's vec_dot_*_q8_1 for the matrix-vector
 # kernels (q4_0: ``d4 * (sumi * ds8.x - 8 * ds8.y)``; the K-quants' mmvq forms sum the rounded
@@ -120,6 +125,9 @@ class Emulation:
     # the most tokens the engine puts in one forward (llama.cpp: min(n_batch, n_ubatch)): a longer
     # prompt reaches its kernels in pieces of this size
     ubatch: int | None = None
+    # ggml-cuda fuses a one-token gate / up / GLU into one matrix-vector kernel (off with
+    # GGML_CUDA_DISABLE_FUSION): routed experts' gate and up then take f32 sums of unrounded values
+    glu_fusion: bool = True
 
     def describe(self) -> str:
         parts = [f"{what} {kind}" for what, kind in (("activations", self.activations),
@@ -145,34 +153,49 @@ class Emulation:
         return replace(self.on_decode() if tokens <= self.decode_batch_max else self, tokens=tokens)
 
     def float_form(self, weight) -> str | None:
-        """How ``weight`` (tagged ``ggml_type``, and ``ggml_expert`` for a routed expert's) is
-        multiplied in this forward, where ggml-cuda's kernel for it rounds otherwise than the
-        class (``activations`` / ``outputs``) says: "tf32" (operands rounded to TF32), "f16-sums"
-        (cuBLAS's F16 compute type), "vector" (f32 activations, sums and result), "mma" (f16 /
-        bf16 activations, f32 sums and result); None: as the class says. ggml-cuda (llama.cpp,
-        ggml 0.25) on NVIDIA Ampere and later: ``ggml_cuda_should_use_mmvf`` takes F32 weights
-        for at most 3 columns and 2-D F16 / BF16 ones for one, ``ggml_cuda_should_use_mmf`` up
-        to 16 columns (tensor cores: tf32 for F32, f16 / bf16 operands with f32 sums), then
-        ``ggml_cuda_mul_mat_cublas`` (F32: TF32 math; F16: ``CUBLAS_COMPUTE_16F``; BF16: f32
-        sums and a bf16 result, the class's rounding). Routed experts (``mul_mat_id``) take the
-        mmf kernels up to 512 tokens."""
+        """How ``weight`` (tagged ``ggml_type``; ``ggml_expert`` for a routed expert's, and
+        ``ggml_glu`` for its gate / up) is multiplied in this forward, where ggml-cuda's kernel
+        for it rounds otherwise than the class (``activations`` / ``outputs``) says: "tf32"
+        (operands rounded to TF32, to nearest: cuBLAS's TF32 math), "tf32-rz" (operands cut to
+        TF32: ggml's own mma kernels hand raw f32 bits to the tf32 instruction, which ignores the
+        low 13), "f16-sums" (cuBLAS's F16 compute type), "vector" (f32 activations, sums and
+        result), "mma" (f16 / bf16 activations, f32 sums and result); None: as the class says.
+
+        ggml-cuda (llama.cpp, ggml 0.25) on NVIDIA Ampere and later (ggml-cuda.cu
+        ggml_cuda_mul_mat / ggml_cuda_mul_mat_id, mmvf.cu, mmf.cu / mmf.cuh, mma.cuh):
+        dense F32 weights in the f32 vector kernel for at most 3 columns, ggml's mma kernel (mmf)
+        up to 16 where the shape fits it, else cuBLAS with TF32 math; F16 / BF16 in the vector
+        kernel for one column, mmf up to 16 (f16 / bf16 activations, f32 sums), else cuBLAS
+        (F16: ``CUBLAS_COMPUTE_16F`` with an f16 result; BF16: bf16 operands, f32 sums and result;
+        ``GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32``: F16 as TF32). Routed experts (``mul_mat_id``):
+        mmf up to 512 tokens (128 for experts of over 1024 rows), except a one-token gate / up,
+        fused with the GLU into the vector kernel (f32 sums of unrounded values; F16 / BF16
+        stacks of at most 512 rows)."""
         if self.float_sums not in ("cuda", "cuda-cublas-f32") or self.tokens is None:
             return None
         kind = getattr(weight, "ggml_type", None)
-        if kind == "F32":
-            return "tf32" if getattr(weight, "ggml_expert", False) or self.tokens > CUDA_F32_VECTOR_MAX else None
-        if kind not in ("F16", "BF16"):
+        if kind not in ("F32", "F16", "BF16"):
             return None
         if getattr(weight, "ggml_expert", False):
-            cublas = self.tokens > CUDA_MMF_EXPERTS_MAX
-        else:
-            if self.tokens == 1:
+            rows = weight.shape[0]
+            if self.tokens == 1 and self.glu_fusion and getattr(weight, "ggml_glu", False) \
+                    and (kind == "F32" or rows <= CUDA_MMVF_STACK_ROWS):
                 return "vector"
-            cublas = self.tokens > CUDA_MMF_MAX
-        if not cublas:
+            limit = CUDA_MMF_EXPERTS_MAX if rows <= CUDA_MMF_EXPERTS_ROWS else CUDA_MMF_EXPERTS_MAX_WIDE
+            if self.tokens <= limit:
+                return "tf32-rz" if kind == "F32" else "mma"
+            return self._cublas(kind)  # ggml multiplies each expert's gathered rows as a dense matmul
+        if kind == "F32" and self.tokens <= CUDA_F32_VECTOR_MAX or kind != "F32" and self.tokens == 1:
+            return "vector"
+        if self.tokens <= CUDA_MMF_MAX and _mmf_fits(weight, kind):
+            return "tf32-rz" if kind == "F32" else "mma"
+        return self._cublas(kind)
+
+    def _cublas(self, kind: str) -> str:
+        if kind == "F32":
+            return "tf32"
+        if kind == "BF16":  # bf16 operands, f32 compute type and result (prefer_f32_output on NVIDIA)
             return "mma"
-        if kind == "BF16":
-            return None
         # GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32: an F32 gemm in TF32 math (f16 values are exact in TF32)
         return "tf32" if self.float_sums == "cuda-cublas-f32" else "f16-sums"
 
@@ -209,6 +232,23 @@ def round_tf32(x: Tensor) -> Tensor:
     rounded = torch.bitwise_and(bits + 0x1000, ~0x1FFF)  # + half of the dropped 13 bits, then cut
     finite = torch.isfinite(x)
     return torch.where(finite, rounded.view(torch.float32).to(x.dtype), x)
+
+
+def truncate_tf32(x: Tensor) -> Tensor:
+    """``x`` with its float32 mantissa cut to TF32's 10 bits (the low 13 bits dropped), back in
+    x's dtype: what a tf32 ``mma`` instruction makes of raw f32 bits (ggml-cuda's mmf kernels
+    pass them unconverted: mmf.cuh, mma.cuh ``mma.sync ... .tf32.tf32``)."""
+    bits = x.to(torch.float32).view(torch.int32)
+    cut = torch.bitwise_and(bits, ~0x1FFF)
+    return torch.where(torch.isfinite(x), cut.view(torch.float32).to(x.dtype), x)
+
+
+def _mmf_fits(weight, kind: str) -> bool:
+    """ggml_cuda_should_use_mmf's shape rule (mmf.cu): a row length that is a multiple of 32 F32
+    or 64 F16 / BF16 values, and a multiple of 32 rows (a router of 8 experts goes to cuBLAS)."""
+    rows, row_len = weight.shape[0], weight.shape[-1]
+    per_row = 32 if kind == "F32" else 64
+    return row_len % per_row == 0 and rows % 32 == 0
 
 
 def linear_f16_sums(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
