@@ -100,9 +100,10 @@ def fits(kind: str) -> torch.Tensor:  # a shape ggml's mma kernels (mmf) take: 3
 
 
 @pytest.mark.parametrize("kind,limit,small,mmf,cublas", [("F32", CUDA_F32_VECTOR_MAX, "vector", "tf32-rz", "tf32"),
-                                                         ("F16", 1, "vector", "mma", "f16-sums")])
+                                                         ("F16", 1, "f16-vector-sums", "mma", "f16-sums")])
 def test_the_kernel_follows_ggml_cudas_column_limits(kind, limit, small, mmf, cublas):
-    """mmvf.cu: F32 weights take the f32 vector kernel for at most 3 columns, F16 for one; ggml's
+    """mmvf.cu: F32 weights take the f32 vector kernel for at most 3 columns, F16 its half-sums
+    form for one; ggml's
     mma kernels (mmf.cu) up to 16 columns (F32 as raw bits to the tf32 instruction: cut), then
     cuBLAS (TF32 math, to nearest; F16: CUBLAS_COMPUTE_16F); quantized weights are not touched."""
     stated = Emulation(float_sums="cuda")
@@ -142,11 +143,12 @@ def test_the_reference_multiplies_through_the_stated_path(tiny_gguf):
 
 
 def test_one_token_and_bf16_take_their_kernels_rounding():
-    """mmvf (one column): f32 activations, sums and result; BF16 in mmf and in cuBLAS: bf16
-    operands, f32 sums and an f32 result (ggml-cuda.cu: prefer_f32_output on NVIDIA)."""
+    """mmvf (one column): BF16 with f32 activations, sums and result (F16: half sums); BF16 in mmf
+    and in cuBLAS: bf16 operands, f32 sums and an f32 result (ggml-cuda.cu: prefer_f32_output)."""
     stated = Emulation(float_sums="cuda")
+    assert stated.for_batch(1).float_form(fits("BF16")) == "vector"
+    assert stated.for_batch(1).float_form(fits("F16")) == "f16-vector-sums"
     for kind in ("F16", "BF16"):
-        assert stated.for_batch(1).float_form(fits(kind)) == "vector"
         assert stated.for_batch(8).float_form(fits(kind)) == "mma"
     assert stated.for_batch(64).float_form(fits("BF16")) == "mma"
 
@@ -230,3 +232,57 @@ def test_a_prompt_in_pieces_takes_the_pieces_kernels(tiny_gguf):
     path = tiny_gguf("llama", qtypes="F16").path
     assert gpu_rounding(path, SimpleNamespace(type_k=1, type_v=1, n_batch=8, n_ubatch=512))["ubatch"] == 8
     assert gpu_rounding(path, SimpleNamespace(type_k=1, type_v=1, n_batch=512, n_ubatch=512))["ubatch"] == 512
+
+
+def f16_vector_sums_numpy(x: np.ndarray, w: np.ndarray, threads: int) -> np.ndarray:
+    """mmvf.cu's half-precision path, thread by thread: thread t takes column pairs t, t + B, ...,
+    keeping a float16 running sum per half (each step a fused multiply-add: the exact product
+    added, then one rounding), then adds its two halves and the threads add theirs."""
+    xs = x.astype(np.float16).astype(np.float64)
+    out = np.zeros((x.shape[0], w.shape[0]))
+    pairs = x.shape[1] // 2
+    for r in range(x.shape[0]):
+        for o in range(w.shape[0]):
+            total = 0.0
+            for t in range(threads):
+                low = high = np.float16(0)
+                for c2 in range(t, pairs, threads):
+                    low = np.float16(float(low) + float(w[o, 2 * c2]) * xs[r, 2 * c2])
+                    high = np.float16(float(high) + float(w[o, 2 * c2 + 1]) * xs[r, 2 * c2 + 1])
+                total += float(low) + float(high)
+            out[r, o] = total
+    return out
+
+
+@pytest.mark.parametrize("n,threads", [(256, 128), (576, 160), (1024, 256)])
+def test_f16_vector_sums_match_the_kernel_thread_by_thread(n, threads):
+    """The vector kernel's block size as its launcher picks it, and its half2 sums, bit for bit
+    on values whose products and partial sums are exact in fp64 (the f16 rounding is the only
+    one); the f16 running sums do round here (they differ from the exact product)."""
+    from ggufcheck.reference.precision import linear_f16_vector_sums, mmvf_block_size
+
+    assert mmvf_block_size(n) == threads
+    rng = np.random.default_rng(n)
+    x = rng.integers(-60, 61, (2, n)).astype(np.float64) / 4
+    w = rng.integers(-60, 61, (5, n)).astype(np.float64)
+    got = linear_f16_vector_sums(torch.from_numpy(x), torch.from_numpy(w)).numpy()
+    assert np.array_equal(got, f16_vector_sums_numpy(x, w, threads))
+    if n == 1024:
+        assert not np.array_equal(got, x @ w.T)
+
+
+def test_an_f16_one_token_step_sums_in_halves_but_a_fused_glu_and_an_f32_node_do_not():
+    """mmvf's precision comes from the node: the default (half sums) for a plain F16 matmul, f32
+    sums for gate / up fused with their GLU (the GLU's op parameter is read as the precision)
+    and for a node llama.cpp asks f32 sums of (GLM-4's output projections)."""
+    stated = Emulation(float_sums="cuda")
+    assert stated.for_batch(1).float_form(fits("F16")) == "f16-vector-sums"
+    gate = fits("F16")
+    gate.ggml_glu = True
+    assert stated.for_batch(1).float_form(gate) == "vector"
+    assert Emulation(float_sums="cuda", glu_fusion=False).for_batch(1).float_form(gate) == "f16-vector-sums"
+    wo = fits("F16")
+    wo.ggml_f32_sums = True
+    assert stated.for_batch(1).float_form(wo) == "vector"
+    assert stated.for_batch(64).float_form(wo) == "tf32"  # cuBLAS in its F32 compute type
+    assert stated.for_batch(1).float_form(fits("BF16")) == "vector"

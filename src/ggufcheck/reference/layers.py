@@ -19,8 +19,8 @@ from torch import Tensor
 
 from ggufcheck.reference.config import ReferenceConfig, YarnConfig
 from ggufcheck.reference.precision import current as current_emulation
-from ggufcheck.reference.precision import (gelu_tanh, linear_f16_sums, round_as, round_tf32, truncate_tf32,
-                                          unrounded_sums_error)
+from ggufcheck.reference.precision import (gelu_tanh, linear_f16_sums, linear_f16_vector_sums, round_as,
+                                          round_tf32, truncate_tf32, unrounded_sums_error)
 from ggufcheck.reference.weights import ExpertStack, RowBlocked
 
 # --- norms ---------------------------------------------------------------------------
@@ -174,6 +174,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         return torch.nn.functional.linear(truncate_tf32(x), truncate_tf32(weight), bias)
     if float_form == "f16-sums":
         return linear_f16_sums(x, weight, bias)
+    if float_form == "f16-vector-sums":
+        return linear_f16_vector_sums(x, weight, bias)
     if float_form == "vector":  # ggml's f32 vector kernel: the weights' own values, nothing else rounds
         return torch.nn.functional.linear(x, weight, bias)
     if float_form == "mma":  # f16 / bf16 operands on the tensor cores, f32 sums and result
@@ -192,14 +194,24 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return round_as(y, emulation.outputs)
 
 
+def _glu(gate: Tensor, up: Tensor) -> None:
+    """Tag ``gate`` and ``up`` as multiplied with a GLU: a CUDA engine fuses the three on one
+    token (precision.Emulation.float_form)."""
+    for w in (gate, up):
+        if isinstance(w, Tensor):
+            w.ggml_glu = True
+
+
 def swiglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
     """``down(silu(gate(x)) * up(x))``; gate/up [F, D], down [D, F]."""
+    _glu(gate, up)
     return linear(torch.nn.functional.silu(linear(x, gate)) * linear(x, up), down)
 
 
 def geglu(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
     """``down(gelu_tanh(gate(x)) * up(x))`` (gemma's FFN: transformers gelu_pytorch_tanh,
     llama.cpp LLM_FFN_GELU + LLM_FFN_PAR); gate/up [F, D], down [D, F]."""
+    _glu(gate, up)
     return linear(gelu_tanh(linear(x, gate)) * linear(x, up), down)
 
 
@@ -282,7 +294,7 @@ def moe(x: Tensor, ids: Tensor, weights: Tensor, gate_exps: Tensor, up_exps: Ten
     for e in torch.unique(ids).tolist():
         tok, slot = torch.nonzero(ids == e, as_tuple=True)  # tokens that chose e, and where
         gate, up, down = (_expert(stack, e) for stack in (gate_exps, up_exps, down_exps))
-        gate.ggml_glu = up.ggml_glu = True  # multiplied with the GLU (a CUDA engine fuses them: float_form)
+        _glu(gate, up)
         if act == "swiglu_oai":
             xe = x[tok]
             g = linear(xe, gate, None if b_gate is None else b_gate[e])

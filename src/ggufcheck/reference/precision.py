@@ -159,13 +159,15 @@ class Emulation:
         (operands rounded to TF32, to nearest: cuBLAS's TF32 math), "tf32-rz" (operands cut to
         TF32: ggml's own mma kernels hand raw f32 bits to the tf32 instruction, which ignores the
         low 13), "f16-sums" (cuBLAS's F16 compute type), "vector" (f32 activations, sums and
-        result), "mma" (f16 / bf16 activations, f32 sums and result); None: as the class says.
+        result), "f16-vector-sums" (the F16 vector kernel's half sums: linear_f16_vector_sums),
+        "mma" (f16 / bf16 activations, f32 sums and result); None: as the class says.
 
         ggml-cuda (llama.cpp, ggml 0.25) on NVIDIA Ampere and later (ggml-cuda.cu
         ggml_cuda_mul_mat / ggml_cuda_mul_mat_id, mmvf.cu, mmf.cu / mmf.cuh, mma.cuh):
         dense F32 weights in the f32 vector kernel for at most 3 columns, ggml's mma kernel (mmf)
         up to 16 where the shape fits it, else cuBLAS with TF32 math; F16 / BF16 in the vector
-        kernel for one column, mmf up to 16 (f16 / bf16 activations, f32 sums), else cuBLAS
+        kernel for one column (F16 with half sums unless the node asks f32 ones: a fused GLU's
+        gate / up, ``ggml_f32_sums``), mmf up to 16 (f16 / bf16 activations, f32 sums), else cuBLAS
         (F16: ``CUBLAS_COMPUTE_16F`` with an f16 result; BF16: bf16 operands, f32 sums and result;
         ``GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32``: F16 as TF32). Routed experts (``mul_mat_id``):
         mmf up to 512 tokens (128 for experts of over 1024 rows), except a one-token gate / up,
@@ -184,20 +186,25 @@ class Emulation:
             limit = CUDA_MMF_EXPERTS_MAX if rows <= CUDA_MMF_EXPERTS_ROWS else CUDA_MMF_EXPERTS_MAX_WIDE
             if self.tokens <= limit:
                 return "tf32-rz" if kind == "F32" else "mma"
-            return self._cublas(kind)  # ggml multiplies each expert's gathered rows as a dense matmul
-        if kind == "F32" and self.tokens <= CUDA_F32_VECTOR_MAX or kind != "F32" and self.tokens == 1:
+            return self._cublas(kind, weight)  # ggml multiplies each expert's gathered rows as a dense matmul
+        if kind == "F32" and self.tokens <= CUDA_F32_VECTOR_MAX or kind == "BF16" and self.tokens == 1:
             return "vector"
+        if self.tokens == 1:  # F16: half sums, but where the GLU fusion hands the kernel f32 sums
+            fused = self.glu_fusion and getattr(weight, "ggml_glu", False)
+            return "vector" if fused or getattr(weight, "ggml_f32_sums", False) else "f16-vector-sums"
         if self.tokens <= CUDA_MMF_MAX and _mmf_fits(weight, kind):
             return "tf32-rz" if kind == "F32" else "mma"
-        return self._cublas(kind)
+        return self._cublas(kind, weight)
 
-    def _cublas(self, kind: str) -> str:
+    def _cublas(self, kind: str, weight) -> str:
         if kind == "F32":
             return "tf32"
         if kind == "BF16":  # bf16 operands, f32 compute type and result (prefer_f32_output on NVIDIA)
             return "mma"
-        # GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32: an F32 gemm in TF32 math (f16 values are exact in TF32)
-        return "tf32" if self.float_sums == "cuda-cublas-f32" else "f16-sums"
+        # GGML_CUDA_CUBLAS_COMPUTE_TYPE=f32, or a node asking f32 sums: an F32 gemm in TF32 math (f16
+        # values are exact in TF32)
+        f32 = self.float_sums == "cuda-cublas-f32" or getattr(weight, "ggml_f32_sums", False)
+        return "tf32" if f32 else "f16-sums"
 
     def sums_form(self, weight) -> SumsForm | None:
         """How ``weight`` (tagged ``ggml_type`` by the WeightStore) multiplies activation sums here."""
@@ -249,6 +256,40 @@ def _mmf_fits(weight, kind: str) -> bool:
     rows, row_len = weight.shape[0], weight.shape[-1]
     per_row = 32 if kind == "F32" else 64
     return row_len % per_row == 0 and rows % 32 == 0
+
+
+def mmvf_block_size(n: int, warp: int = 32, largest: int = 256) -> int:
+    """The thread count ggml-cuda's vector kernel (mmvf.cu launch_mul_mat_vec_f_cuda) runs a row
+    of ``n`` values with: the smallest multiple of the warp, up to 256, that needs the fewest
+    iterations over the row's pairs."""
+    best, fewest = warp, -(-n // (2 * warp))
+    for size in range(2 * warp, largest + 1, warp):
+        iterations = -(-n // (2 * size))
+        if iterations < fewest:
+            best, fewest = size, iterations
+    return best
+
+
+def linear_f16_vector_sums(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x @ weight.T`` as ggml-cuda's vector kernel for F16 weights gives it at its default
+    precision (mmvf.cu, ``type_acc`` half): activations in f16; each thread keeps a half2 running
+    sum (one fused multiply-add, one rounding, per step) over the column pairs ``t, t + B, ...``
+    (B threads, :func:`mmvf_block_size`), its two halves then added in f32, and the threads'
+    sums added in f32 (here exactly: a far smaller error than the f16 steps'). The result is f32."""
+    n = x.shape[-1]
+    size = mmvf_block_size(n)
+    steps = -(-n // (2 * size))
+    pad = steps * size * 2 - n
+    xs = torch.nn.functional.pad(round_as(x, "f16"), (0, pad)).reshape(*x.shape[:-1], 1, steps, size, 2)
+    out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
+    for start in range(0, weight.shape[0], 2048):  # [.., rows, B, 2] sums: a row block at a time
+        w = torch.nn.functional.pad(weight[start:start + 2048].to(x.dtype), (0, pad))
+        w = w.reshape(w.shape[0], steps, size, 2)
+        acc = torch.zeros((*x.shape[:-1], w.shape[0], size, 2), dtype=x.dtype, device=x.device)
+        for k in range(steps):
+            acc = round_as(acc + xs[..., k, :, :] * w[:, k], "f16")
+        out[..., start:start + w.shape[0]] = acc.sum(dim=(-1, -2))
+    return out if bias is None else out + bias
 
 
 def linear_f16_sums(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
