@@ -286,3 +286,16 @@ def test_an_f16_one_token_step_sums_in_halves_but_a_fused_glu_and_an_f32_node_do
     assert stated.for_batch(1).float_form(wo) == "vector"
     assert stated.for_batch(64).float_form(wo) == "tf32"  # cuBLAS in its F32 compute type
     assert stated.for_batch(1).float_form(fits("BF16")) == "vector"
+
+
+def test_the_weight_store_tags_the_matmuls_llama_cpp_asks_f32_sums_of(tiny_gguf):
+    """llama-graph.cpp asks f32 sums of GLM-4's attention output and FFN down projections
+    (ggml_prec_set_acc); the reference's weight store tags them so, and no other family's."""
+    from ggufcheck.reference.model import ReferenceModel
+
+    glm = ReferenceModel(tiny_gguf("glm4moe", qtypes="F16").path, dtype="fp64")
+    layer = glm.weights.layer(0)
+    assert layer["attn_output.weight"].ggml_f32_sums and layer["ffn_down.weight"].ggml_f32_sums
+    assert not hasattr(layer["attn_q.weight"], "ggml_f32_sums")
+    llama = ReferenceModel(tiny_gguf("llama", qtypes="F16").path, dtype="fp64").weights.layer(0)
+    assert not hasattr(llama["attn_output.weight"], "ggml_f32_sums")

@@ -26,12 +26,6 @@ def forward_layer(
     q_pos: Tensor, k_pos: Tensor, cache: LayerCache, shared: dict,
 ) -> LayerOutput:
     """One glm4moe / qwen3moe / gpt-oss decoder layer on the residual stream h [T, D]."""
-    if cfg.arch == "glm4moe":  # llama.cpp asks f32 sums of GLM-4's output projections (llama-graph.cpp
-        # ggml_prec_set_acc: "numerical issues with half-precision accumulators"): its CUDA kernels follow
-        for name in ("attn_output.weight", "ffn_down.weight", "ffn_down_shexp.weight"):
-            weight = w.get(name)
-            if isinstance(weight, Tensor):
-                weight.ggml_f32_sums = True
     attn_out = self_attention(cfg, w, rms_norm(h, w["attn_norm.weight"], cfg.rms_eps), rope, q_pos, k_pos, cache,
                               window=cfg.attention_window(i))
     after_attn = h + attn_out

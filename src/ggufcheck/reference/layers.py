@@ -294,8 +294,8 @@ def moe(x: Tensor, ids: Tensor, weights: Tensor, gate_exps: Tensor, up_exps: Ten
     for e in torch.unique(ids).tolist():
         tok, slot = torch.nonzero(ids == e, as_tuple=True)  # tokens that chose e, and where
         gate, up, down = (_expert(stack, e) for stack in (gate_exps, up_exps, down_exps))
-        _glu(gate, up)
         if act == "swiglu_oai":
+            _glu(gate, up)
             xe = x[tok]
             g = linear(xe, gate, None if b_gate is None else b_gate[e])
             u = linear(xe, up, None if b_up is None else b_up[e])

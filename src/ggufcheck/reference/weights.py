@@ -342,8 +342,9 @@ class WeightStore:
         if t.dtype != self.dtype:  # compact storage, widened for this use (exact: the values are float32)
             wide = t.to(self.dtype)
             wide.ggml_type = t.ggml_type
-            if hasattr(t, "ggml_offsets"):
-                wide.ggml_offsets = t.ggml_offsets
+            for tag in ("ggml_offsets", "ggml_f32_sums"):
+                if hasattr(t, tag):
+                    setattr(wide, tag, getattr(t, tag))
             return wide
         return t
 
@@ -363,6 +364,8 @@ class WeightStore:
         # the stored type, read where an emulated engine rounds by weight type
         # (precision.unrounded_sums_error: only weights with a per-block offset)
         t.ggml_type = info.qtype.name
+        if _asks_f32_sums(self.model, name):
+            t.ggml_f32_sums = True
         if group_size(info.qtype.name) is not None and len(info.shape) >= 2:  # read where an emulation needs them
             start, stop = (0, info.n_rows) if rows is None else (rows.start or 0, rows.stop)
             t.ggml_offsets = _BlockOffsets(self.model, name, info.qtype.name, start, stop)
@@ -456,3 +459,12 @@ class WeightStore:
             self._closed = True
             self._head = None
             self.cache.detach(self.identity)
+
+
+# the matmuls llama.cpp asks f32 sums of, per architecture (llama-graph.cpp ggml_prec_set_acc, "numerical
+# issues with half-precision accumulators"), which its CUDA kernels follow (precision.Emulation.float_form)
+F32_SUMS = {"glm4moe": (".attn_output.weight", ".ffn_down.weight", ".ffn_down_shexp.weight")}
+
+
+def _asks_f32_sums(model, name: str) -> bool:
+    return name.startswith("blk.") and name.endswith(F32_SUMS.get(model.architecture or "", ()))
