@@ -10,6 +10,7 @@ attention kind is SKIPped with the reason while the other kinds run).
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ggufcheck.checks.sharding import ShardOptions, run_sharding_stage
 from ggufcheck.gguf.reader import open_gguf
@@ -119,6 +120,42 @@ def test_moe_too_big_to_load_runs_on_the_routed_experts_only(tiny_converted, bud
     experts = job.weights["ffn_down_exps.weight"]
     assert isinstance(experts, ExpertSubset) and len(experts.experts) < experts.shape[0]
     assert sum(t.numel() for t in job.weights.values()) <= budget
+
+
+def test_vocab_tensors_too_big_to_load_run_on_their_first_columns(tiny8):
+    """GLM-5's embedding and lm_head (154880 x 6144) do not fit the fp64 budget: the vocab
+    split is checked on every row's first columns, read in row blocks; the columns are the
+    file's own (ggufcheck's whole-tensor dequantization, cut), the report says what part ran,
+    and a loader that gives every rank rank 0's rows still fails on rank 1."""
+    from ggufcheck.gguf.dequant import dequantize_tensor
+    from ggufcheck.reference.config import config_from_gguf
+    from ggufcheck.sharding.invariance import InvarianceOptions, gguf_layer_weights, make_jobs
+
+    path = tiny8("llama")
+    kinds = ("embedding", "lm_head")
+    with open_gguf(path) as m:
+        rows, width = m.tensors["token_embd.weight"].shape
+        budget = rows * width - 1  # the whole tensor is one weight over
+        opts = InvarianceOptions(tp=8, kinds=kinds, max_layer_elements=budget, vocab_columns=24)
+        jobs = make_jobs(config_from_gguf(m.metadata, m.tensors), gguf_layer_weights(m, max_elements=budget), opts)
+        assert [j.kind for j in jobs] == list(kinds) and not opts.not_run
+        for job in jobs:
+            (name, got), = job.weights.items()
+            assert tuple(got.shape) == (rows, 24) and "first 24 of" in job.scope
+            assert torch.equal(got, dequantize_tensor(m, job.tensor, dtype=torch.float64)[:, :24])
+        assert jobs[1].inputs["x"].shape[1] == 24
+    good = _tp_results(_run(path, 8, kinds=kinds, max_layer_elements=budget, vocab_columns=24))
+    for kind in kinds:
+        assert good[kind].status is Status.PASS and "first 24 of" in good[kind].message
+    bad = _tp_results(_run(path, 8, kinds=kinds, max_layer_elements=budget, vocab_columns=24,
+                           loader=faults.every_rank_gets_shard0))
+    for kind in kinds:
+        assert bad[kind].status is Status.FAIL, kind
+    assert bad["lm_head"].worst["rank"] != 0
+    # a budget below even the columns: not run, with the reason
+    tight = _run(path, 8, kinds=kinds, max_layer_elements=rows * 24 - 1, vocab_columns=24)
+    skipped = _tp_results(tight)
+    assert all(skipped[k].status is Status.SKIP and "exceed the CPU budget" in skipped[k].message for k in kinds)
 
 
 def test_one_layer_kind_is_held_at_a_time(tiny8, monkeypatch):

@@ -51,6 +51,7 @@ class InvarianceOptions:
     collectives: bool = True
     start_method: str | None = None  # None: fork for gloo on Linux, spawn for NCCL (dist.py)
     max_layer_elements: int = 400_000_000  # skip a kind whose fp64 weights would exceed ~3 GiB
+    vocab_columns: int = 256  # an embedding / lm_head over that budget: every row's first columns
     # kinds left out while building the jobs, as (kind, layer, why): facts the checks report
     not_run: list[tuple[str, int | None, str]] = field(default_factory=list)
 
@@ -68,13 +69,20 @@ def iter_jobs(cfg: ReferenceConfig, layer_weights: Any, opts: InvarianceOptions)
     (a run holds one kind's weights at a time). ``layer_weights(layer | None, prefixes)``
     returns fp64 full tensors by short name (layer None: the global tensors)."""
     gen = torch.Generator().manual_seed(opts.seed)
-    n_tok = max(opts.tokens, cfg.indexer_top_k + 4 if cfg.has_indexer else 0)
-    pos = torch.arange(START_POS, START_POS + n_tok)
-    x = torch.randn(n_tok, cfg.n_embd, generator=gen, dtype=torch.float64)
+    # the indexer's top-k needs more keys than top_k (GLM-5: 2048 + 4); every other kind runs
+    # on the first ``opts.tokens`` of the same rows (its math has no threshold in T, and at
+    # GLM-5's dims 2052 tokens cost each rank ~1 GiB of MLA scores for nothing)
+    n_index = max(opts.tokens, cfg.indexer_top_k + 4 if cfg.has_indexer else 0)
+    pos_index = torch.arange(START_POS, START_POS + n_index)
+    x_index = torch.randn(n_index, cfg.n_embd, generator=gen, dtype=torch.float64)
+    x, pos = x_index[: opts.tokens], pos_index[: opts.tokens]
     wanted = opts.kinds
 
     def want(kind: str) -> bool:
         return wanted is None or kind in wanted
+
+    def vocab_weights(kind: str, prefixes: tuple[str, ...]) -> tuple[dict[str, Tensor], str] | None:
+        return _vocab_weights(layer_weights, opts, kind, prefixes)
 
     def weights(kind: str, layer: int | None, prefixes: tuple[str, ...]) -> dict[str, Tensor] | None:
         try:
@@ -120,20 +128,51 @@ def iter_jobs(cfg: ReferenceConfig, layer_weights: Any, opts: InvarianceOptions)
     if want("indexer") and cfg.has_indexer:
         w = weights("indexer", 0, ("indexer.", "attn_q_a", "rope_freqs"))
         if w is not None and "indexer.attn_k.weight" in w:
-            qr = rms_norm(linear(x, w.pop("attn_q_a.weight")), w.pop("attn_q_a_norm.weight"), cfg.lora_norm_eps)
-            yield LayerJob("indexer", 0, w, {"x": x, "qr": qr, "pos": pos}, tensor="blk.0.indexer.attn_k.weight")
+            qr = rms_norm(linear(x_index, w.pop("attn_q_a.weight")), w.pop("attn_q_a_norm.weight"),
+                          cfg.lora_norm_eps)
+            yield LayerJob("indexer", 0, w, {"x": x_index, "qr": qr, "pos": pos_index},
+                           tensor="blk.0.indexer.attn_k.weight")
             w = None  # released before the next kind is read
-    if want("embedding") and (w := weights("embedding", None, ("token_embd",))) is not None:
+    if want("embedding") and (got := vocab_weights("embedding", ("token_embd",))) is not None:
+        w, scope = got
         ids = _vocab_probe_ids(w["token_embd.weight"].shape[0], opts.tp, gen)
-        yield LayerJob("embedding", None, w, {"ids": ids, "pos": pos}, tensor="token_embd.weight")
-        w = None  # released before the next kind is read
-    if want("lm_head") and (w := weights("lm_head", None, ("output.",))) is not None:
+        yield LayerJob("embedding", None, w, {"ids": ids, "pos": pos}, tensor="token_embd.weight", scope=scope)
+        got = w = None  # released before the next kind is read
+    if want("lm_head") and (got := vocab_weights("lm_head", ("output.",))) is not None:
+        w, scope = got
         if not w:  # tied embeddings: the lm_head is token_embd
-            w = weights("lm_head", None, ("token_embd",))
+            w, scope = vocab_weights("lm_head", ("token_embd",)) or (None, "")
         if w is not None:
             (name,) = w
-            yield LayerJob("lm_head", None, w, {"x": x, "pos": pos}, tensor=name)
-            w = None  # released before the next kind is read
+            cols = w[name].shape[1]
+            yield LayerJob("lm_head", None, w, {"x": x[:, :cols], "pos": pos}, tensor=name, scope=scope)
+            got = w = None  # released before the next kind is read
+
+
+def _vocab_weights(layer_weights: Any, opts: InvarianceOptions, kind: str,
+                   prefixes: tuple[str, ...]) -> tuple[dict[str, Tensor], str] | None:
+    """The embedding's or lm_head's tensor, and what part of it the job holds.
+
+    Whole when it fits the budget. Else (GLM-5: 154880 x 6144, 7.6 GB in fp64) every row's
+    first ``opts.vocab_columns`` columns, read in row blocks: the vocab-parallel split cuts
+    rows only (each rank a row range, padding rows past the vocabulary), so a rank holding
+    the wrong rows, an off-by-one range or non-zero padding shows in any column; what the
+    columns cannot show (a fault inside a row) is the weights audit's to find. None (with a
+    not-run fact) when even that does not fit or the weights cannot be read in columns."""
+    try:
+        return layer_weights(None, prefixes), ""
+    except LayerTooLarge as err:
+        names = layer_weights.names(None, prefixes) if hasattr(layer_weights, "columns") else []
+        if len(names) == 1:
+            short, info = names[0]
+            rows, width = info.shape[0], info.shape[-1]
+            cols = min(width, opts.vocab_columns)
+            if rows * cols <= opts.max_layer_elements:
+                scope = (f"the first {cols} of {width} columns of all {rows:,} rows: the vocab split cuts rows "
+                         f"only, and the whole tensor ({err.n_elements:,} weights in fp64) exceeds the CPU budget")
+                return {short: layer_weights.columns(info.name, cols)}, scope
+        opts.not_run.append((kind, None, f"not run: {err}"))
+        return None
 
 
 def _routed_expert_weights(cfg: ReferenceConfig, layer_weights: Any, layer: int, x: Tensor,
@@ -174,6 +213,7 @@ class LayerTooLarge(Exception):
     """A layer kind's weights would not fit the CPU budget in fp64: the kind is skipped."""
 
     def __init__(self, n_elements: int, budget: int):
+        self.n_elements, self.budget = n_elements, budget
         super().__init__(f"{n_elements:,} weights in fp64 exceed the CPU budget of {budget:,} elements")
 
 
@@ -186,21 +226,40 @@ class GGUFLayerWeights:
     def __init__(self, model: Any, dtype: torch.dtype = torch.float64, max_elements: int = 400_000_000):
         self.model, self.dtype, self.max_elements = model, dtype, max_elements
 
+    def names(self, layer: int | None, prefixes: tuple[str, ...]) -> list[tuple[str, Any]]:
+        """(short name, tensor info) of every tensor ``prefixes`` select in ``layer``."""
+        chosen = []
+        head = f"blk.{layer}." if layer is not None else ""
+        for name, info in self.model.tensors.items():
+            if layer is not None and name.startswith("rope_freqs") and "rope_freqs" in prefixes:
+                chosen.append((name, info))
+            elif (layer is None) == (not name.startswith("blk.")) and name.startswith(head) \
+                    and name[len(head):].startswith(prefixes):
+                chosen.append((name[len(head):], info))
+        return chosen
+
     def __call__(self, layer: int | None, prefixes: tuple[str, ...]) -> dict[str, Tensor]:
         from ggufcheck.gguf.dequant import dequantize_tensor
 
-        chosen = {}
-        head = f"blk.{layer}." if layer is not None else ""
-        for name in self.model.tensors:
-            if layer is not None and name.startswith("rope_freqs") and "rope_freqs" in prefixes:
-                chosen[name] = name
-            elif (layer is None) == (not name.startswith("blk.")) and name.startswith(head) \
-                    and name[len(head):].startswith(prefixes):
-                chosen[name[len(head):]] = name
-        n_el = sum(self.model.tensors[n].n_elements for n in chosen.values())
+        chosen = self.names(layer, prefixes)
+        n_el = sum(info.n_elements for _, info in chosen)
         if n_el > self.max_elements:
             raise LayerTooLarge(n_el, self.max_elements)
-        return {short: dequantize_tensor(self.model, name, dtype=self.dtype) for short, name in chosen.items()}
+        return {short: dequantize_tensor(self.model, info.name, dtype=self.dtype) for short, info in chosen}
+
+    def columns(self, name: str, cols: int) -> Tensor:
+        """The first ``cols`` columns of every row of 2-D ``name`` [rows, cols], read in row
+        blocks of ~2^24 weights (peak: the result plus one block)."""
+        from ggufcheck.gguf.dequant import dequantize_tensor
+
+        rows, width = self.model.tensors[name].shape
+        out = torch.empty(rows, cols, dtype=self.dtype)
+        step = max(1, (1 << 24) // width)
+        for start in range(0, rows, step):
+            stop = min(rows, start + step)
+            block = dequantize_tensor(self.model, name, rows=slice(start, stop), dtype=self.dtype)
+            out[start:stop] = block.reshape(stop - start, width)[:, :cols]
+        return out
 
     def experts(self, layer: int, short: str, used: list[int]) -> ExpertSubset | None:
         """Experts ``used`` of stacked ``blk.{layer}.{short}`` [E, A, B], read row-wise."""

@@ -55,6 +55,7 @@ class LayerJob:
     weights: Weights  # FULL tensors by GGUF short name, fp64
     inputs: dict[str, Tensor]  # "x" [T, D], "pos" [T], "ids" [N]
     tensor: str = ""  # the main tensor's GGUF name, for the report
+    scope: str = ""  # what part of the tensor the job holds, when not all of it (the report says)
 
 
 class ExpertSubset:

@@ -53,7 +53,7 @@ def compare(cfg: ReferenceConfig, rules: dict[str, ShardRule], job: LayerJob, wa
     finite = torch.isfinite(ref)
     scale = max(1.0, float(ref[finite].abs().max())) if bool(finite.any()) else 1.0
     tol = RTOL * scale
-    what = f"{kind} sharded over {tp} rank(s) vs unsharded"
+    what = f"{kind} sharded over {tp} rank(s) vs unsharded" + (f" on {job.scope}" if job.scope else "")
     by_rank: list[Comparison] = []
     for r, o in enumerate(per_rank):
         if o["out"].shape != ref.shape:
