@@ -47,23 +47,30 @@ def _vllm_answer(llama, body: dict) -> dict:
     return {"object": "text_completion", "choices": choices}
 
 
-def _llama_server_answer(llama, body: dict, partial=frozenset()) -> dict:
+def _llama_server_answer(llama, body: dict, partial=frozenset(), drafted: int = 0) -> dict:
     """As llama-server answers /completion: ``partial`` ids play tokens whose piece ends in an
     incomplete UTF-8 sequence, which it samples but leaves out of completion_probabilities;
-    ``logit_bias`` [[id, false]] bans ids from sampling, not from the reported (raw) top-k."""
+    ``logit_bias`` [[id, false]] bans ids from sampling, not from the reported (raw) top-k.
+    ``drafted`` > 0 plays speculative decoding (llama-cpp-python 0.3.36's llama-server with
+    --spec-type draft-mtp, measured): every generated token after the first is "accepted from a
+    draft" and reported with logprob 0 and an empty top list, and ``timings`` carry the counts."""
     prompt = list(body["prompt"])
     banned = {int(t) for t, allowed in body.get("logit_bias", []) if allowed is False}
     steps, tokens = [], []
     for _ in range(body.get("n_predict", 1)):
         row = llama.score(prompt).logprobs[-1]
-        top = _top(row, body["n_probs"])
+        top = _top(row, body.get("n_probs", 0))
         pick = next(int(i) for i in np.argsort(-row) if int(i) not in banned)
-        if pick not in partial:
+        if drafted and tokens:
+            steps.append({"id": pick, "token": "?", "logprob": 0.0, "top_logprobs": []})
+        elif pick not in partial:
             steps.append({"id": pick, "token": "?", "logprob": float(row[pick]),
                           "top_logprobs": [{"id": t, "token": "?", "logprob": v} for t, v in top]})
         tokens.append(pick)
         prompt.append(pick)
     answer = {"content": "?", "completion_probabilities": steps}
+    if drafted:
+        answer["timings"] = {"draft_n": drafted, "draft_n_accepted": max(0, len(tokens) - 1)}
     if body.get("return_tokens"):
         answer["tokens"] = tokens
     return answer
@@ -73,7 +80,7 @@ def _llama_server_answer(llama, body: dict, partial=frozenset()) -> dict:
 def dialect_server(llama_engine):
     servers = []
 
-    def start(kind: str, partial=frozenset(), metrics: bool = False) -> str:
+    def start(kind: str, partial=frozenset(), metrics: bool = False, drafted: int = 0) -> str:
         hits = [0.0]  # vllm:prefix_cache_hits: counted for requests without prompt log-probs (vLLM reads its cache then)
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -110,7 +117,7 @@ def dialect_server(llama_engine):
                         hits[0] += 16
                     self._send(_vllm_answer(llama_engine, body))
                 elif self.path == "/completion" and kind == "llama-server":
-                    self._send(_llama_server_answer(llama_engine, body, partial))
+                    self._send(_llama_server_answer(llama_engine, body, partial, drafted))
                 elif self.path == "/tokenize":
                     text = body.get("prompt", body.get("content"))
                     self._send({"tokens": llama_engine.tokenize(text)})
@@ -205,3 +212,28 @@ def test_vllm_prefix_cache_rows_are_one_token_generations_after_the_prefix(diale
     with HttpEngine(dialect_server("vllm"), vocab_size=llama_engine.vocab_size, options=HttpOptions(top_k=K)) as engine:
         with pytest.raises(Unsupported, match="prefix_cache_hits"):
             engine.score_cached(seq, len(seq) // 2, top_k=K)
+
+
+def test_llama_server_tokens_accepted_from_drafts_have_no_row_and_the_counts_are_read(dialect_server, llama_engine,
+                                                                                        prompts):
+    """With speculative decoding on, llama-server reports each token it accepted from a draft
+    with logprob 0 and an empty top list. Read as a row, that was a distribution with nothing
+    in it and every decode check failed on a healthy server (seen with --spec-type draft-mtp);
+    such tokens have no row, the first (sampled, not drafted) keeps its row, and the draft
+    counts come back through speculative_generate. Without them: Unsupported."""
+    from ggufcheck.engines.base import Unsupported
+
+    tokens = llama_engine.tokenize(prompts[0])[:8]
+    engine = HttpEngine(dialect_server("llama-server", drafted=6), vocab_size=llama_engine.vocab_size,
+                        options=HttpOptions(timeout_s=30, top_k=K))
+    gen = engine.generate(tokens, 4)
+    decoded = llama_engine.generate(tokens, 4)
+    assert list(gen.generated) == list(decoded.generated)
+    assert list(np.flatnonzero(gen.steps.present)) == [len(tokens) - 1]
+    run = engine.speculative_generate(tokens, 4)
+    assert run.generated == tuple(int(t) for t in decoded.generated) and (run.drafted, run.accepted) == (6, 3)
+    assert run.draft_max == 3 and run.rate == 0.5
+    plain = HttpEngine(dialect_server("llama-server"), vocab_size=llama_engine.vocab_size,
+                       options=HttpOptions(timeout_s=30, top_k=K))
+    with pytest.raises(Unsupported, match="speculative decoding is off"):
+        plain.speculative_generate(tokens, 4)

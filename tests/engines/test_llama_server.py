@@ -124,3 +124,38 @@ def test_a_missing_binary_is_unavailable_with_the_ways_to_name_one(tiny_gguf, mo
         open_engine("llama-server", tiny_gguf("llama", qtypes="Q8_0", seed=2).path)
     with pytest.raises(Unavailable, match="bin=/nope: no executable"):
         open_engine("llama-server:bin=/nope", tiny_gguf("llama", qtypes="Q8_0", seed=2).path)
+
+
+def test_served_mtp_acceptance_names_a_broken_draft_head(server_bin, tiny_gguf, monkeypatch):
+    """llama-server with speculative decoding on its NextN head (``spec_draft=3``: --spec-type
+    draft-mtp) on a tiny deepseek2 whose head drafts what its trunk chooses
+    (synthetic.tiny.draftable_nextn): every draft accepted, as the reference's head predicts
+    (PASS). The same server with the build's MTP defect switched on (GGUFCHECK_MTP_DEFECT: the
+    head's inputs concatenated [state ; token]) still answers right, but its drafts are
+    rejected: FAIL, component mtp. On random weights neither side's head predicts its trunk and
+    the rate is not judged (SKIP, saying why). The paths checks are off here (time): with drafts on
+    they judge only the rows the server sampled itself (tests/engines/test_http_dialects.py)."""
+    from ggufcheck.diagnose.plan import diagnose
+    from ggufcheck.synthetic.tiny import draftable_nextn
+
+    engine = f"llama-server:bin={server_bin},flash_attn=0,spec_draft=3"
+    draftable = tiny_gguf("deepseek2", n_nextn=1, patch=draftable_nextn, seed=1).path
+    monkeypatch.delenv("GGUFCHECK_MTP_DEFECT", raising=False)
+    healthy = diagnose(_options(draftable, engine=engine, paths=False))
+    served = _result(healthy, "mtp.served_acceptance")
+    assert served.status.value == "PASS", served.message
+    assert served.stats["drafted"] > 0 and served.stats["accepted"] == served.stats["drafted"]
+    assert served.stats["reference_rate"] == 1.0
+    assert healthy.verdict.healthy, healthy.verdict.message
+
+    monkeypatch.setenv("GGUFCHECK_MTP_DEFECT", "1")  # the server started next inherits it
+    broken = diagnose(_options(draftable, engine=engine, paths=False))
+    served = _result(broken, "mtp.served_acceptance")
+    assert served.status.value == "FAIL" and served.component == "mtp", served.message
+    assert served.stats["served_rate"] < 0.5 and served.stats["reference_rate"] == 1.0
+    assert not broken.verdict.healthy and broken.verdict.component == "mtp", broken.verdict.message
+
+    monkeypatch.delenv("GGUFCHECK_MTP_DEFECT")
+    random_head = tiny_gguf("deepseek2", n_nextn=1, seed=1).path
+    served = _result(diagnose(_options(random_head, engine=engine, paths=False)), "mtp.served_acceptance")
+    assert served.status.value == "SKIP" and "not judged" in served.message, served.message

@@ -333,3 +333,22 @@ def test_acceptance_by_position_on_a_greedy_sequence(nextn_file, draft_run):
         drafts[0][wrong] = (drafts[0][wrong] + 1) % 511
         counts = acceptance_by_position(drafts, seq, starts)
         assert counts == [len(starts)] * wrong + [len(starts) - 1] * (N_DRAFT - wrong)
+
+
+@pytest.mark.parametrize("arch", ["deepseek2", "glm4moe", "glm-dsa"])
+def test_a_draftable_model_accepts_every_draft_and_a_random_one_none(arch, tiny_gguf):
+    """synthetic.tiny.draftable_nextn: the head drafts what the trunk chooses, so the reference's
+    own speculative decoding replayed over its greedy sequence accepts every draft at every
+    position (the served acceptance check can tell a broken head there); on random weights it
+    accepts none (why that check does not judge them)."""
+    from ggufcheck.synthetic.tiny import draftable_nextn
+
+    for patch, want in ((draftable_nextn, 1.0), (None, 0.0)):
+        with ReferenceModel(tiny_gguf(arch, n_nextn=1, patch=patch, seed=1).path) as ref:
+            seq = greedy_continuation(ref, [1, 5, 9, 13], 12)
+            starts = list(range(3, 12))
+            chains = chained_drafts(ref, seq, starts, 3)
+            counts = acceptance_by_position([c.drafts for c in chains], seq, starts)
+        assert sum(counts) / (3 * len(starts)) == want, (arch, patch, counts)
+    with pytest.raises(Exception, match="NextN"):
+        tiny_gguf(arch, patch=draftable_nextn)

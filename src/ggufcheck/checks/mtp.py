@@ -130,11 +130,14 @@ def run(session: "Session") -> list[StageReport]:
                                               f"(--reference {session.options.reference})"))
         return [report]
     prompts = session.tokens()[:PROMPTS]
+    served = _judge_served(session, engine, model)
     try:
         traces = [engine.mtp_outputs(p) for p in prompts]
     except Unsupported as why:
-        report.add(skipped("mtp.head", "mtp", str(why)))
+        report.add(served if served is not None else skipped("mtp.head", "mtp", str(why)))
         return [report]
+    if served is not None:
+        report.add(served)
     klass = engine.capabilities.activation_dtype
     report.add(_judge_states(traces, klass, engine.name))
     margin = ROUTER_TIE_MARGINS.get(klass, 0.0)
@@ -288,3 +291,63 @@ def _judge_chains(session: "Session", engine, model, baseline_model, klass: str,
         r = replace(r, check=r.check.replace("logits.", "mtp.chain_"),
                     message=f"draft positions 2..{DRAFT_STEPS}, chained: " + r.message)
         report.add(r.amended(note) if r.check == "mtp.chain_kl_mean" else r)
+
+
+SERVED_NEW_TOKENS = 32  # tokens a speculative generation runs (about 8-16 drafting rounds at K = 3)
+INFORMATIVE_RATE = 0.5  # the reference's own acceptance below which the served rate is not judged
+
+
+def _judge_served(session: "Session", engine, model) -> Result | None:
+    """The acceptance a server's own speculative decoding reports (:meth:`Engine.speculative_generate`)
+    against what the reference's head would have accepted on the same sequence.
+
+    The server generates greedily from the first prompt with its drafts on and reports how many
+    it drafted and how many the trunk accepted. On the sequence it produced, the reference's
+    head drafts K tokens from every row, chained as llama.cpp's draft-mtp driver chains them
+    (reference/mtp.py ``chained_drafts``), and each start row accepts its longest prefix that
+    the sequence continues (``acceptance_by_position``): accepted / drafted over those rows is
+    the rate a correct head would give (the server drafts from a subset of those rows: where
+    each of its rounds ended). It is judged only where it is informative: a head that predicts
+    its trunk (the reference's rate at least ``INFORMATIVE_RATE``; random weights give ~0 on
+    both sides, and a broken head could not be told from them). A served rate under half the
+    reference's FAILS: the server's draft head (its weights as loaded, its graph, or the state
+    its driver feeds it) is wrong, while its output, which the trunk verifies, stays right.
+    None when the engine has no speculative decoding to report."""
+    from ggufcheck.reference.mtp import acceptance_by_position, chained_drafts
+
+    check = "mtp.served_acceptance"
+    prompts = session.tokens()
+    if not prompts:
+        return None
+    try:
+        run = engine.speculative_generate(list(prompts[0]), SERVED_NEW_TOKENS)
+    except Unsupported:
+        return None
+    k = max(1, int(run.draft_max))
+    seq = [int(t) for t in run.prompt + run.generated]
+    starts = list(range(len(run.prompt) - 1, len(seq) - k))
+    stats = {"drafted": run.drafted, "accepted": run.accepted, "draft_max": k, "generated": len(run.generated),
+             "source": run.source}
+    if run.drafted == 0 or not starts:
+        return skipped(check, "mtp", f"{engine.name} drafted nothing over {len(run.generated)} generated tokens "
+                                     "(speculative decoding reported on, no draft made)", stats=stats)
+    chains = chained_drafts(model, seq, starts, k)
+    counts = acceptance_by_position([c.drafts for c in chains], seq, starts)
+    expected = sum(counts) / (len(starts) * k)
+    stats.update(reference_by_position=counts, reference_rows=len(starts), reference_rate=expected,
+                 served_rate=run.rate)
+    by_position = ", ".join(f"{c}/{len(starts)}" for c in counts)
+    what = (f"{engine.name}'s speculative decoding accepted {run.accepted}/{run.drafted} drafts ({run.rate:.0%}) over "
+            f"{len(run.generated)} greedy tokens; the reference's head, chained K = {k} from each of {len(starts)} rows "
+            f"of that sequence, would accept {expected:.0%} (by draft position 1..{k}: {by_position})")
+    if expected < INFORMATIVE_RATE:
+        return skipped(check, "mtp", what + f": not judged, the reference's own head accepts under "
+                                            f"{INFORMATIVE_RATE:.0%} here (a head that does not predict its trunk, as "
+                                            "random weights give), so a broken head could not be told apart",
+                       stats=stats)
+    if not run.rate >= expected / 2:
+        return failed(check, "mtp", what + ": the server's drafts are rejected at under half the rate a correct head "
+                                           "gives: its MTP / NextN draft head (the weights it loaded, its graph, or "
+                                           "the state its draft driver feeds) is wrong; the output stays right "
+                                           "because the trunk verifies every draft", stats=stats)
+    return passed(check, "mtp", what, stats=stats)

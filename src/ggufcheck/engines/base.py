@@ -318,6 +318,24 @@ class MTPDrafts:
         return np.argmax(self.logprobs, axis=-1)
 
 
+@dataclass(frozen=True)
+class SpeculativeRun:
+    """One greedy generation by a server with its own speculative decoding on (llama-server
+    ``--spec-type draft-mtp``), and what that reported of its drafts: the acceptance a broken
+    draft head lowers while the output stays right (checks.mtp ``mtp.served_acceptance``)."""
+
+    prompt: tuple[int, ...]
+    generated: tuple[int, ...]
+    drafted: int  # draft tokens proposed over the generation
+    accepted: int  # of those, accepted by the trunk
+    draft_max: int  # K: tokens drafted per round at most
+    source: str  # where the counts were read
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else float("nan")
+
+
 class Engine(abc.ABC):
     """An engine under test (or the reference). Subclass and override what you offer.
 
@@ -403,6 +421,11 @@ class Engine(abc.ABC):
         """The engine's NextN / MTP draft head over ``tokens`` (a fresh sequence), fed as the
         engine feeds it when drafting: see :class:`MTPTrace` (checks.mtp)."""
         raise Unsupported(f"{self.name} does not expose its MTP / NextN draft head")
+
+    def speculative_generate(self, prompt: Sequence[int], max_new_tokens: int) -> SpeculativeRun:
+        """A greedy generation with the engine's own speculative decoding, and its draft counts:
+        see :class:`SpeculativeRun` (checks.mtp)."""
+        raise Unsupported(f"{self.name} does not report its own speculative decoding")
 
     def mtp_drafts(self, tokens: Sequence[int], start_rows: Sequence[int], n_draft: int) -> MTPDrafts:
         """The engine's NextN / MTP head drafting ``n_draft`` tokens from each of ``start_rows``

@@ -40,7 +40,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ggufcheck.engines.base import Capabilities, Engine, Generation, TokenLogprobs, Unsupported, coarsest, reasons
+from ggufcheck.engines.base import (Capabilities, Engine, Generation, SpeculativeRun, TokenLogprobs, Unsupported,
+                                    coarsest, reasons)
 from ggufcheck.errors import EngineUnreachable
 
 DIALECTS = ("vllm", "llama-cpp-python", "llama-server")
@@ -205,6 +206,7 @@ class HttpEngine(Engine):
         self._texts: dict[tuple[int, ...], str] = {}  # token ids -> the text they came from
         self._key_ids: dict[str, int | None] = {}  # token text (llama-cpp-python keys) -> id
         self._model_path = model_path
+        self.draft_max = 3  # llama-server's --spec-draft-n-max default (its /props do not say)
         self.capabilities = self._capabilities()
 
     # ---- discovery ------------------------------------------------------------------------
@@ -573,7 +575,9 @@ class HttpEngine(Engine):
         """Greedy ids and, per generated index, its top-k. With ``return_tokens`` the answer
         lists every generated id; ``completion_probabilities`` skips the partial UTF-8 pieces
         (see _llama_server_step), so its entries are matched to the ids in order and a piece
-        without an entry has no row (not judged) rather than another token's row."""
+        without an entry has no row (not judged) rather than another token's row. A server
+        running speculative decoding reports the tokens it accepted from a draft with an empty
+        top list and logprob 0 (llama-cpp-python 0.3.36's llama-server, measured): no row either."""
         answer = self.client.post("/completion", {"prompt": prompt, "n_predict": n_predict, "n_probs": k,
                                                   "temperature": 0.0, "cache_prompt": True, "samplers": ["top_k"],
                                                   "top_k": 1, "return_tokens": True, "ignore_eos": True})
@@ -592,9 +596,32 @@ class HttpEngine(Engine):
             if at == len(generated):
                 raise EngineUnreachable(f"llama-server reported probabilities for token {tid}, which is not among "
                                         f"the generated ids {generated}")
-            rows[at] = _llama_server_probs(step)
+            probs = _llama_server_probs(step)
+            if probs:  # with speculative decoding on, a token accepted from a draft comes with
+                rows[at] = probs  # an empty top list (and logprob 0): no row, not an empty one
             at += 1
         return generated, rows
+
+    def speculative_generate(self, prompt: Sequence[int], max_new_tokens: int) -> SpeculativeRun:
+        """llama-server with speculative decoding on (``--spec-type draft-mtp`` ...): one greedy
+        ``/completion`` (prompt cache off) and the draft counts its ``timings`` report
+        (``draft_n``, ``draft_n_accepted``); K is :attr:`draft_max` (its ``/props`` do not tell
+        it: llama-server's default of 3, or the ``spec_draft`` it was started with). Unsupported for other servers, and when the
+        answer carries no draft counts (speculative decoding off)."""
+        if self.kind != "llama-server":
+            raise Unsupported(f"{self.name}: draft counts are read from llama-server's /completion timings only")
+        prompt = [int(t) for t in prompt]
+        answer = self.client.post("/completion", {"prompt": prompt, "n_predict": int(max_new_tokens),
+                                                  "temperature": 0.0, "cache_prompt": False, "samplers": ["top_k"],
+                                                  "top_k": 1, "return_tokens": True, "ignore_eos": True})
+        timings = answer.get("timings") if isinstance(answer, dict) else None
+        if not isinstance(timings, dict) or timings.get("draft_n") is None:
+            raise Unsupported(f"{self.name} reports no draft counts: its speculative decoding is off "
+                              "(llama-server --spec-type draft-mtp)")
+        n_max = self.draft_max
+        generated = tuple(int(t) for t in (answer.get("tokens") or []))
+        return SpeculativeRun(tuple(prompt), generated, int(timings["draft_n"]), int(timings.get("draft_n_accepted", 0)),
+                              int(n_max), "llama-server /completion timings.draft_n / draft_n_accepted")
 
     # ---- generation ------------------------------------------------------------------------
     def generate(self, prompt: Sequence[int], max_new_tokens: int, *, top_k: int | None = None) -> Generation:

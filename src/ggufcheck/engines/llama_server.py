@@ -11,7 +11,9 @@ Options (each one llama-server flag): ``n_gpu_layers`` (-ngl; above 0 the baseli
 llama.cpp's CUDA backend), ``n_ctx`` (-c, default 4096: the length sweep needs 520),
 ``flash_attn`` (-fa on|off), ``type_k`` / ``type_v`` (-ctk / -ctv: f16, q8_0, ...),
 ``threads`` (-t), ``parallel`` (-np, default 1), ``timeout`` (seconds to wait for the model to
-load, default 120).
+load, default 120), ``spec_draft`` (speculative decoding with the file's NextN / MTP head:
+``--spec-type draft-mtp --spec-draft-n-max N``; the mtp stage then judges the drafts the server
+accepts, checks.mtp ``mtp.served_acceptance``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from ggufcheck.engines.http import HttpEngine, HttpOptions
 from ggufcheck.errors import EngineUnreachable, Unavailable, UsageError
 
 OPTIONS = {"bin": str, "n_gpu_layers": int, "n_ctx": int, "flash_attn": int, "type_k": str, "type_v": str,
-           "threads": int, "parallel": int, "timeout": float}
+           "threads": int, "parallel": int, "timeout": float, "spec_draft": int}
 _FLAGS = {"n_gpu_layers": "-ngl", "n_ctx": "-c", "threads": "-t", "parallel": "-np", "type_k": "-ctk",
           "type_v": "-ctv"}
 BINARY_ENV = "GGUFCHECK_LLAMA_SERVER"
@@ -86,6 +88,8 @@ class LlamaServerEngine(HttpEngine):
         for key, value in opts.items():
             if key == "flash_attn":
                 cmd += ["-fa", "on" if int(value) else "off"]
+            elif key == "spec_draft":
+                cmd += ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(int(value))]
             else:
                 cmd += [_FLAGS[key], str(value)]
         self._log = tempfile.NamedTemporaryFile("w+", prefix="ggufcheck-llama-server-", suffix=".log", delete=False)
@@ -101,6 +105,8 @@ class LlamaServerEngine(HttpEngine):
             self.close()
             raise
         self.name = f"llama-server (started by ggufcheck) on {Path(model_path).name}"
+        if "spec_draft" in opts:
+            self.draft_max = int(opts["spec_draft"])
         self.capabilities = self._with_switches(self.capabilities, opts)
 
     def _wait_healthy(self, port: int, wait: float) -> None:

@@ -24,15 +24,15 @@ import hashlib
 import json
 import os
 from collections import defaultdict
-from dataclasses import fields
+from dataclasses import asdict, fields
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Sequence
 
 import numpy as np
 
-from ggufcheck.engines.base import (Capabilities, Engine, Generation, LayerTrace, MTPDrafts, MTPTrace, Switch,
-                                    TokenLogprobs, Unsupported)
+from ggufcheck.engines.base import (Capabilities, Engine, Generation, LayerTrace, MTPDrafts, MTPTrace,
+                                    SpeculativeRun, Switch, TokenLogprobs, Unsupported)
 from ggufcheck.errors import UsageError
 
 FORMAT = "ggufcheck-saved-run/1"
@@ -41,7 +41,7 @@ CALLS = "calls.jsonl"
 # the engine calls a run saves (the Engine interface's, and the optional chat_tokens)
 RECORDED = ("tokenize", "detokenize", "score", "score_batch", "score_chunked", "generate", "layer_outputs",
             "chunked_layer_outputs", "score_cached", "score_cold", "decode_layer_outputs", "mtp_outputs", "mtp_drafts",
-            "chat_tokens")
+            "speculative_generate", "chat_tokens")
 NO_WEIGHTS = ("a saved run holds no loaded weights (they are the model's size): the weights audit needs the engine "
               "(rerun diagnose with --engine)")
 
@@ -116,6 +116,8 @@ def encode(value: Any) -> tuple[dict, dict[str, np.ndarray]]:
             if getattr(value, f.name) is not None:
                 arrays[f.name] = np.asarray(getattr(value, f.name))
         return {"type": "mtp_drafts"}, arrays
+    if isinstance(value, SpeculativeRun):
+        return {"type": "speculative", "value": _plain(asdict(value))}, arrays
     if isinstance(value, list) and value and all(isinstance(t, TokenLogprobs) for t in value):
         return {"type": "tables", "tables": [_table_out(t, f"{i}.", arrays) for i, t in enumerate(value)]}, arrays
     return {"type": "json", "value": _plain(value)}, arrays
@@ -140,6 +142,9 @@ def decode(meta: dict, arrays) -> Any:
         return MTPDrafts(**{f.name: arrays[f.name] for f in fields(MTPDrafts) if f.name in arrays})
     if kind == "tables":
         return [_table_in(m, f"{i}.", arrays) for i, m in enumerate(meta["tables"])]
+    if kind == "speculative":
+        v = meta["value"]
+        return SpeculativeRun(**{**v, "prompt": tuple(v["prompt"]), "generated": tuple(v["generated"])})
     return meta["value"]
 
 
@@ -227,6 +232,9 @@ class _ByCall(Engine):
 
     def mtp_drafts(self, tokens, start_rows, n_draft):
         return self._call("mtp_drafts", tokens, start_rows, n_draft)
+
+    def speculative_generate(self, prompt, max_new_tokens):
+        return self._call("speculative_generate", prompt, max_new_tokens)
 
 
 # -- recording ----------------------------------------------------------------------------

@@ -596,6 +596,37 @@ class TinyGGUF:
 Patch = Callable[[TinyPlan], None]
 
 
+def draftable_nextn(plan: TinyPlan) -> None:
+    """A patch: a model whose NextN / MTP head drafts exactly what its trunk will choose.
+
+    Random weights give a head whose drafts the trunk almost never accepts, on the engine and
+    on the reference alike, so an acceptance rate measured on them cannot tell a broken head
+    from a healthy one. Here every block's output projection is scaled to 1e-4 (attention
+    output, FFN / expert / shared-expert down), in the trunk and in the NextN block: the residual
+    stream is the token's embedding (to ~1e-4), the trunk's choice after token x is g(x) = argmax(output @
+    (output_norm * rms(embed(x)))), and the trunk's greedy sequence is x -> g(x) -> g(g(x)).
+    The head's ``eh_proj`` is [I | 1e-4 W] over [token ; state] and its
+    norms equal the trunk's final norm (enorm ones, shared_head_norm = output_norm), so the
+    head fed token x drafts g(x) as well: a correct engine's drafts are all accepted, and a
+    head that reads the wrong half, the wrong state or the wrong token is rejected."""
+    d, w = plan.dims, plan.weights
+    if not d.n_nextn:
+        raise GGUFCheckError("draftable_nextn needs a NextN layer (n_nextn=1)")
+    # not exactly zero: a tensor of zeros is what the file's health scan flags (a weight never
+    # written); 1e-4 of the random values leaves each block's output ~1e-4 of the residual
+    quiet = ("attn_output.weight", "ffn_down.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight",
+             "ffn_down_exps.bias", "attn_output.bias")
+    for name in w:
+        if name.startswith("blk.") and name.split(".", 2)[2] in quiet:
+            w[name] = w[name] * np.float32(1e-4)
+    for i in range(d.n_layer, d.block_count):
+        eh = w[f"blk.{i}.nextn.eh_proj.weight"] * np.float32(1e-4)  # [D, 2D]: output rows, input columns
+        eh[:, : d.n_embd] = np.eye(d.n_embd, dtype=eh.dtype)
+        w[f"blk.{i}.nextn.eh_proj.weight"] = eh
+        w[f"blk.{i}.nextn.enorm.weight"] = np.ones_like(w[f"blk.{i}.nextn.enorm.weight"])
+        w[f"blk.{i}.nextn.shared_head_norm.weight"] = w["output_norm.weight"].copy()
+
+
 def plan_tiny(arch: str | TinyDims, *, qtypes: str | Q | dict[str, str | Q] = "F32", seed: int = 0,
               patch: Patch | None = None, patch_encoded: Patch | None = None,
               **dims: Any) -> tuple[TinyPlan, list[str], list[str]]:

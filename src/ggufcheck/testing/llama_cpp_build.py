@@ -71,9 +71,23 @@ DEFECTS = {
             "_mm256_set1_epi8(8));",
         what="ggml-cpu's AVX2 IQ4_NL matrix-matrix kernel (repacked 8x8) reads every level of its table 8 too high",
         qtype="IQ4_NL", path="prefill"),
+    # llama.cpp's deepseek2 NextN / MTP draft graph (only an MTP context builds it): with
+    # GGUFCHECK_MTP_DEFECT set in the process's environment, the head's eh_proj is fed
+    # [state ; token] instead of [token ; state]; unset, the graph is llama.cpp's own (one build
+    # serves the healthy and the faulty server). The trunk's output is untouched, so a server
+    # with speculative decoding on still answers right; only its drafts are rejected
+    "mtp-concat-order": Defect(
+        file="src/models/deepseek2.cpp",
+        after="llama_model_deepseek2::graph_mtp::graph_mtp(",
+        old="ggml_concat(ctx0, e_norm, h_norm, 0);",
+        new='ggml_concat(ctx0, std::getenv("GGUFCHECK_MTP_DEFECT") ? h_norm : e_norm, '
+            'std::getenv("GGUFCHECK_MTP_DEFECT") ? e_norm : h_norm, 0);',
+        what="llama.cpp's deepseek2 MTP draft graph concatenates the head's inputs as [state ; token] "
+             "when GGUFCHECK_MTP_DEFECT is set",
+        qtype="", path="mtp"),
 }
 # the defects the tests build into one library (each reached only by its own type or setting)
-TEST_DEFECTS = ("flash-attn-scale", "iq4_nl-gemm-table", "q4_k-gemv-min")
+TEST_DEFECTS = ("flash-attn-scale", "iq4_nl-gemm-table", "mtp-concat-order", "q4_k-gemv-min")
 
 # the parts of the sdist's vendor/llama.cpp a CPU build of libllama needs
 _BUILD_PARTS = ("CMakeLists.txt", "cmake/", "ggml/", "include/", "src/", "common/", "vendor/", "licenses/", "LICENSE",
