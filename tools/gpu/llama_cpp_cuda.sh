@@ -5,7 +5,7 @@
 #
 # Stage first, here: bash tools/gpu/stage_llama_cpp.sh   (fills the git-ignored .gpu/)
 # Device call:       bash tools/gpu/llama_cpp_cuda.sh [STEPS]   with carry [".gpu"]
-#   STEPS: comma-separated subset of build,defectq5k,floatpaths,coldserver,row79bisect,nb8,fusionmoe,floatpaths3,provenance,arith,arithmore,f16moe,f16dense,switches,probe,matrix,matrix2,matrix3,lead,chunklead,families,hfprof,recheck,
+#   STEPS: comma-separated subset of build,defectq5k,floatpaths,coldserver,row79bisect,row79head,nb8,fusionmoe,floatpaths3,provenance,arith,arithmore,f16moe,f16dense,switches,probe,matrix,matrix2,matrix3,lead,chunklead,families,hfprof,recheck,
 #          recheck2,real,realquick,realhttp,reallead,oplead,envtime,server,
 #          oldlead,hf (default: build,probe,matrix,lead,server,oldlead,hf)
 # Writes $OUT/log.txt-style logs per step, $OUT/results.tgz, and on a fresh build the
@@ -333,6 +333,9 @@ if has floatpaths3; then  # after the source-read rules (TF32 cut in ggml's mma 
   TAILN=16 step 60 fp3-moe-nofusion python3 -m ggufcheck quants --arch qwen3moe --types F16,F32 --engine llama-cpp:n_gpu_layers=99,cuda_fusion=0 --json $W/fp3-moe-nofusion.json
 fi
 
+if has row79head; then  # the output layer, or its input? (tools/gpu/row79_head.py: the normed state and logits, ngl 99 vs 3)
+  TAILN=10 step 200 row79head python3 tools/gpu/row79_head.py .gpu/row79/cs-ds2-Q4_K.gguf .gpu/row79/tokens.json
+fi
 if has row79bisect; then  # which setting makes row 79 healthy (tools/gpu/row79_bisect.py: fusion, graphs, FA, offload)
   TAILN=20 step 240 row79bisect python3 tools/gpu/row79_bisect.py .gpu/row79/cs-ds2-Q4_K.gguf .gpu/row79/tokens.json
 fi
